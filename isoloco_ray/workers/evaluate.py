@@ -1,0 +1,58 @@
+"""Validation loss of the global model: token-weighted mean NLL over a fixed set of sequences.
+
+Every worker takes part: rank w scores sequences w, w+W, ...; the NLL sums and token counts are
+all-reduced, so the result does not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from isoloco_ray.data.format import read_blocks
+from isoloco_ray.workers.collectives import all_reduce_scalars
+
+
+def eval_sequences(valid_files: Sequence[Path], seq_len: int, max_tokens: int) -> torch.Tensor:
+    """The first sequences of the valid split covering at most `max_tokens` (at least one)."""
+    wanted = max(1, max_tokens // seq_len)
+    sequences: list[np.ndarray] = []
+    for path in valid_files:
+        blocks = read_blocks(path)
+        per_block = blocks.shape[1] // seq_len
+        sequences.extend(blocks[:, : per_block * seq_len].reshape(-1, seq_len))
+        if len(sequences) >= wanted:
+            break
+    if not sequences:
+        raise ValueError("the valid split holds no sequence of data.seq_len tokens")
+    return torch.from_numpy(np.stack(sequences[:wanted]).astype(np.int64))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, sequences: torch.Tensor, rank: int, world: int,
+             batch_size: int, device: torch.device) -> float:
+    """Mean next-token NLL (nats/token) of `model` over `sequences`, shared among the ranks."""
+    model.eval()
+    nll_sum, tokens = 0.0, 0
+    mine = sequences[rank::world]
+    for batch in mine.split(batch_size):
+        batch = batch.to(device, non_blocking=True)
+        logits = model(input_ids=batch).logits[:, :-1].float()
+        targets = batch[:, 1:]
+        nll_sum += F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                   reduction="sum").item()
+        tokens += targets.numel()
+    nll_sum, tokens = all_reduce_scalars([nll_sum, tokens], device)
+    model.train()
+    return nll_sum / tokens
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped so a diverged run prints inf rather than overflowing."""
+    return math.exp(loss) if loss < 700 else math.inf

@@ -1,0 +1,127 @@
+"""The outer step: R pseudo-gradients in, one update of the global parameters out.
+
+Communication follows the strategy (DESIGN.md, "Outer sync"). Mean-only strategies need only
+the replicas' sum: each worker sums the replicas it hosts, then one bucketed all-reduce. The
+per-replica merges (tsv, isocts, ties) need every Δ_r of a tensor in one place; for now every
+rank gathers all of them and merges (the same result everywhere, no broadcast needed).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from isoloco_ray import aggregators
+from isoloco_ray.config import OuterConfig
+from isoloco_ray.workers.collectives import TrafficCounter, all_gather_stacked, all_reduce_sum
+
+MEAN_ONLY = ("diloco", "diloco_sgd", "isoc", "isoloco", "dare")
+PER_REPLICA = ("tsv", "isocts", "ties")
+
+
+@dataclass
+class OuterStepStats:
+    """Where one outer step's time went, and what this rank received."""
+
+    comm_seconds: float = 0.0
+    merge_seconds: float = 0.0
+    bytes_received: int = 0
+
+
+def merge_options(outer: OuterConfig) -> dict:
+    """The keyword options `aggregators.merge` takes for the configured strategy."""
+    keys = {
+        "isocts": ("common_fraction",),
+        "tsv": ("keep_fraction", "decorrelate"),
+        "ties": ("sparsity", "prune", "prune_dim", "rescale", "disjoint"),
+        "dare": ("sparsity", "prune", "prune_dim", "rescale", "disjoint"),
+    }.get(outer.strategy, ())
+    return {key: getattr(outer, key) for key in keys}
+
+
+def pruning_generator(seed: int, round_index: int, replica: int) -> torch.Generator:
+    """The random-pruning stream of one replica in one round: independent of the layout and of
+    every other random stream (data order, init), so switching strategies changes nothing else."""
+    key = zlib.crc32(f"prune/{seed}/{round_index}/{replica}".encode())
+    return torch.Generator().manual_seed(key)
+
+
+class OuterSync:
+    """Turns the hosted replicas' Δ_r into the global update; holds the outer optimizer state."""
+
+    optimizer: aggregators.OuterOptimizer
+
+    def __init__(self, outer: OuterConfig, replicas: int, seed: int) -> None:
+        self.outer = outer
+        self.replicas = replicas
+        self.seed = seed
+        isoloco_update = outer.strategy == "isoloco" and outer.orthogonalize == "update"
+        self.optimizer = aggregators.OuterOptimizer(
+            lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov,
+            orthogonalize_update=isoloco_update)
+        self.traffic = TrafficCounter()
+
+    def step(self, global_params: dict[str, torch.Tensor],
+             hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int
+             ) -> OuterStepStats:
+        """Apply one outer step to `global_params` in place from the hosted replicas' Δ_r."""
+        stats = OuterStepStats()
+        names = list(global_params)
+        if self.outer.strategy in MEAN_ONLY:
+            directions = self._mean_only(names, hosted, round_index, stats)
+        else:
+            directions = self._per_replica(names, hosted, round_index, stats)
+        self.optimizer.step(global_params, directions)
+        stats.bytes_received = self.traffic.take()
+        return stats
+
+    def _mean_only(self, names: Sequence[str], hosted: Mapping[int, Mapping[str, torch.Tensor]],
+                   round_index: int, stats: OuterStepStats) -> dict[str, torch.Tensor]:
+        strategy = self.outer.strategy
+        started = time.perf_counter()
+        total = {name: torch.zeros_like(next(iter(hosted.values()))[name]) for name in names}
+        for replica, delta in hosted.items():
+            generator = pruning_generator(self.seed, round_index, replica)
+            for name in names:
+                if strategy == "dare":
+                    # The sum of sparsified Δ_r is all DARE's mean needs: prune before reducing.
+                    total[name] += aggregators.sparsify(
+                        delta[name], self.outer.sparsity, prune=self.outer.prune,
+                        prune_dim=self.outer.prune_dim, rescale=self.outer.rescale,
+                        generator=generator)
+                else:
+                    total[name] += delta[name]
+        stats.merge_seconds += time.perf_counter() - started
+
+        started = time.perf_counter()
+        all_reduce_sum([total[name] for name in names], self.traffic)
+        stats.comm_seconds += time.perf_counter() - started
+
+        started = time.perf_counter()
+        mean = {name: total[name] / self.replicas for name in names}
+        if strategy == "isoc" or (strategy == "isoloco" and self.outer.orthogonalize == "gradient"):
+            mean = aggregators.merge_all("isoc", {name: [m] for name, m in mean.items()})
+        stats.merge_seconds += time.perf_counter() - started
+        return mean
+
+    def _per_replica(self, names: Sequence[str],
+                     hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
+                     stats: OuterStepStats) -> dict[str, torch.Tensor]:
+        started = time.perf_counter()
+        order = sorted(hosted)
+        gathered = {name: all_gather_stacked([hosted[r][name] for r in order], self.traffic)
+                    for name in names}
+        stats.comm_seconds += time.perf_counter() - started
+
+        started = time.perf_counter()
+        options = merge_options(self.outer)
+        if options.get("prune") == "random":
+            # Every rank merges the same gathered set with the same stream: identical results.
+            options["generator"] = pruning_generator(self.seed, round_index, replica=-1)
+        merged = aggregators.merge_all(self.outer.strategy, gathered, **options)
+        stats.merge_seconds += time.perf_counter() - started
+        return merged

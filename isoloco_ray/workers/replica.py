@@ -1,0 +1,105 @@
+"""One DiLoCo replica: its inner AdamW, LR schedule and data stream, and its H inner steps.
+
+Replicas hosted by one worker share the worker's single model module: each round every replica
+starts from the same global parameters, so the module is simply reloaded with them before a
+replica runs. What makes replicas differ, and so what a checkpoint must hold per replica, is
+declared at the top of `Replica`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from isoloco_ray.config import InnerConfig
+from isoloco_ray.data.stream import ReplicaStream
+
+
+def warmup_cosine(step: int, total_steps: int, warmup_fraction: float) -> float:
+    """LR multiplier (SPEC.md): linear warmup from 0.1x, then cosine down to 0.1x at the end."""
+    warmup_steps = int(warmup_fraction * total_steps)
+    if step < warmup_steps:
+        return 0.1 + 0.9 * step / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_inner_optimizer(model: nn.Module, inner: InnerConfig, total_steps: int,
+                         fused: bool = False
+                         ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `model`'s parameters with the warmup-cosine schedule over `total_steps`."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=inner.betas,
+                                  weight_decay=inner.weight_decay, fused=fused or None)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine(step, total_steps, inner.warmup))
+    return optimizer, schedule
+
+
+def accumulate_gradients(model: nn.Module, batch: torch.Tensor, micro_batch_size: int) -> float:
+    """Forward/backward `batch` in micro-batches; gradients of the batch's mean loss.
+
+    Every micro-batch has the same number of tokens, so the mean of micro-batch means is the
+    batch mean. Returns that mean loss.
+    """
+    micro_batches = batch.split(micro_batch_size)
+    total = 0.0
+    for micro in micro_batches:
+        loss = model(input_ids=micro, labels=micro).loss / len(micro_batches)
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+class Replica:
+    """A replica's private state; everything here goes into a checkpoint."""
+
+    index: int
+    optimizer: torch.optim.AdamW
+    schedule: torch.optim.lr_scheduler.LambdaLR
+    stream: ReplicaStream
+
+    def __init__(self, index: int, model: nn.Module, inner: InnerConfig, total_steps: int,
+                 stream: ReplicaStream, fused: bool = False) -> None:
+        self.index = index
+        self.optimizer, self.schedule = make_inner_optimizer(model, inner, total_steps, fused)
+        self.stream = stream
+        self._inner = inner
+
+    def run_inner_steps(self, model: nn.Module, global_params: Mapping[str, torch.Tensor],
+                        steps: int, micro_batch_size: int, device: torch.device
+                        ) -> tuple[dict[str, torch.Tensor], float]:
+        """Start from the global parameters, take `steps` AdamW steps, return (Δ_r, mean loss).
+
+        Δ_r = θ_global − θ_r (SPEC.md's pseudo-gradient), in float32.
+        """
+        load_parameters(model, global_params)
+        model.train()
+        losses = []
+        for _ in range(steps):
+            batch = self.stream.next_batch().to(device, non_blocking=True)
+            self.optimizer.zero_grad(set_to_none=True)
+            losses.append(accumulate_gradients(model, batch, micro_batch_size))
+            if self._inner.clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), self._inner.clip)
+            self.optimizer.step()
+            self.schedule.step()
+        with torch.no_grad():
+            delta = {name: global_params[name] - p.detach().float()
+                     for name, p in model.named_parameters()}
+        return delta, sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def load_parameters(model: nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+    """Copy `params` (by name) into the model's parameters in place."""
+    for name, p in model.named_parameters():
+        p.copy_(params[name])
+
+
+@torch.no_grad()
+def snapshot_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A float32 copy of the model's parameters, by name."""
+    return {name: p.detach().float().clone() for name, p in model.named_parameters()}

@@ -1,0 +1,90 @@
+"""Configuration: presets, overrides, and the promised error messages and exit status."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from isoloco_ray.config import ConfigError, TrainConfig, load_config
+from isoloco_ray import train
+
+
+def test_defaults_are_the_demo_run():
+    cfg = load_config([])
+    assert (cfg.model.preset, cfg.scaling.replicas, cfg.scaling.num_workers) == ("demo", 4, 2)
+    assert (cfg.outer.strategy, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == (
+        "diloco", 0.7, 0.9, True)
+    assert cfg.inner.lr == 1.38e-3 and cfg.inner.weight_decay == 0.1
+    assert cfg.data.micro_batch_size == cfg.data.batch_size
+
+
+@pytest.mark.parametrize("strategy, inner_lr, outer_lr, momentum", [
+    ("diloco_sgd", 1.38e-3, 1.6, 0.0), ("isoc", 3.91e-3, 2.1, 0.0),
+    ("isoloco", 1.38e-3, 1.8, 0.8), ("isocts", 3.91e-3, 3.1, 0.0), ("tsv", 2.76e-3, 0.6, 0.0),
+    ("ties", 2.76e-3, 0.7, 0.0), ("dare", 2.76e-3, 1.5, 0.0)])
+def test_strategy_presets_follow_the_paper(strategy, inner_lr, outer_lr, momentum):
+    cfg = load_config([f"--outer.strategy={strategy}", "--scaling.replicas=8"])
+    assert (cfg.inner.lr, cfg.outer.lr, cfg.outer.momentum) == (inner_lr, outer_lr, momentum)
+    if strategy == "tsv":
+        assert cfg.outer.keep_fraction == 1 / 8
+
+
+def test_cli_overrides_yaml_overrides_defaults(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {preset: tiny, num_layers: 3}\nouter: {lr: 0.5}\n")
+    cfg = load_config([str(path), "--outer.lr=0.25", "--inner.betas", "0.8,0.9"])
+    assert (cfg.model.preset, cfg.model.num_layers, cfg.model.hidden_size) == ("tiny", 3, 64)
+    assert cfg.outer.lr == 0.25 and cfg.inner.betas == (0.8, 0.9)
+    assert cfg.outer.momentum == 0.9  # the strategy's, not overridden
+
+
+def test_token_budget_sets_rounds():
+    cfg = load_config(["--run.token_budget=1000000"])
+    assert cfg.run.rounds == 1_000_000 // (8 * 128 * 20 * 4)
+    assert TrainConfig.model_validate(cfg.model_dump()) == cfg  # a resolved config round-trips
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.hiden_size=3"], "--model.hiden_size: unknown option; did you mean "
+                               "--model.hidden_size?"),
+    (["--inner.lr=fast"], "inner.lr: Input should be a valid number"),
+    (["--scaling.replicas=3"], "scaling.replicas (3) must be divisible by "
+                               "scaling.replicas_per_worker (2)"),
+    (["--data.seq_len=512"], "data.seq_len (512) exceeds the model's context"),
+    (["--outer.strategy=sgd"], "outer.strategy: Input should be 'diloco'"),
+    (["--data.batch_size=8", "--data.micro_batch_size=3"], "data.batch_size (8) must be a "
+                                                           "multiple of data.micro_batch_size"),
+    (["--run.rounds=2", "--run.token_budget=10"], "set run.rounds or run.token_budget"),
+    (["missing.yaml"], "config file missing.yaml does not exist"),
+])
+def test_config_errors_name_the_field(args, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(args)
+    assert message in str(err.value)
+
+
+def test_cli_error_exits_2_without_traceback_or_ray(capsys, tmp_path):
+    status = train.main(["--scaling.replicas=3"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("error: scaling.replicas (3) must be divisible")
+    assert "Traceback" not in err
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_missing_data_path_is_a_config_error(capsys, tmp_path):
+    status = train.main([f"--data.path={tmp_path / 'nowhere'}"])
+    assert status == 2
+    assert "data.path:" in capsys.readouterr().err
+
+
+def test_help_lists_every_field_with_default(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load_config(["--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--model.preset", "--data.seq_len", "--scaling.replicas_per_worker",
+                 "--inner.steps", "--outer.strategy", "--run.token_budget"):
+        assert flag in out
+    assert "(default: 20)" in out  # inner.steps
