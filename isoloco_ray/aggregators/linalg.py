@@ -1,0 +1,252 @@
+"""Dense linear algebra shared by the spectral merges (SPEC.md, ISO-C / ISO-CTS / TSV-Merge).
+
+Everything here works on batches of matrices ``(b, m, n)`` in float64 and is exact up to
+float rounding:
+
+- ``top_svd``: the top-q singular triplets from ``eigh`` of the Gram matrix of the smaller
+  side, which is several times cheaper than an SVD on CPU.
+- ``polar64``: the polar factor U Vᵀ, from the Gram matrix on CPU and from the QDWH iteration
+  (run until it has converged) on CUDA.
+- ``polar_with_orthonormal_block``: the polar factor of ``[X, Q]`` when Q already has
+  orthonormal columns and X has few columns, through a small eigenproblem only.
+
+A Gram matrix squares the condition number. Results built from one are trusted only while the
+eigenvalues they use stay above ``GRAM_TRUST`` times the largest one; matrices that fail the
+test (numerically rank-deficient ones, an all-zero matrix) are recomputed with a plain SVD, so
+the fast path never changes the function that is computed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+# Eigenvalue ratio below which a Gram-based result is recomputed by SVD. Singular vectors from
+# a float64 Gram carry errors of about eps64 * (sigma_1 / sigma_j)^2 / relative gap; at 1e-10
+# that stays near 1e-6, far inside the tolerances SPEC.md sets against the SVD reference.
+GRAM_TRUST = 1e-10
+
+# QDWH: starting lower bound for the smallest singular value of A / ||A||_F. Any value
+# below the true one converges in at most six iterations (Nakatsukasa, Bai & Gygi 2010);
+# matrices with even smaller singular values still converge, the convergence test sees to it.
+_QDWH_L0 = {torch.float64: 1e-12, torch.float32: 1e-6}
+_QDWH_MAX_ITER = 30
+
+
+@contextlib.contextmanager
+def exact_matmul() -> Iterator[None]:
+    """Disable TF32 (and reduced-precision reductions) while a merge runs on CUDA.
+
+    TF32 keeps 10 mantissa bits: enough to wreck any polar factor or SVD, whatever the
+    caller's global setting is for training.
+    """
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             matmul.allow_fp16_reduced_precision_reduction,
+             matmul.allow_bf16_reduced_precision_reduction)
+    try:
+        matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        matmul.allow_fp16_reduced_precision_reduction = False
+        matmul.allow_bf16_reduced_precision_reduction = False
+        yield
+    finally:
+        (matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+         matmul.allow_fp16_reduced_precision_reduction,
+         matmul.allow_bf16_reduced_precision_reduction) = saved
+
+
+def eigh_desc(gram: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (descending) and eigenvectors (columns, same order) of symmetric matrices."""
+    values, vectors = torch.linalg.eigh(gram)
+    return values.flip(-1), vectors.flip(-1)
+
+
+def trusted(smallest_used: Tensor, scale: Tensor) -> Tensor:
+    """Per matrix: may a Gram-based result relying on eigenvalues down to `smallest_used` be
+    trusted, `scale` being the largest eigenvalue (or an upper bound of it)?"""
+    return smallest_used > GRAM_TRUST * scale
+
+
+def repair(ok: Tensor, outputs: Sequence[Tensor],
+           recompute: Callable[[Tensor], Sequence[Tensor]]) -> None:
+    """Overwrite, in place, the batch entries of `outputs` where `ok` is False with
+    `recompute(index)` (a slower, always-valid method applied to those entries only)."""
+    if bool(ok.all()):
+        return
+    index = (~ok).nonzero().squeeze(1)
+    for out, new in zip(outputs, recompute(index)):
+        out[index] = new.to(out.dtype)
+
+
+def gram(a: Tensor) -> Tensor:
+    """The Gram matrix of the smaller side: aᵀa for tall (m >= n), a aᵀ for wide matrices."""
+    return a.mT @ a if a.shape[-2] >= a.shape[-1] else a @ a.mT
+
+
+def top_svd(a: Tensor, q: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-q singular triplets (U (b,m,q), S (b,q) descending, V (b,n,q)) of float64 matrices.
+
+    Computed from ``eigh`` of the Gram matrix of the smaller side; the other side's vectors
+    are a·v/σ (or aᵀ·u/σ). Matrices whose q-th eigenvalue is too small for that to be accurate
+    get a plain SVD instead (its top-q triplets, with LAPACK's orthonormal completion for any
+    zero singular values).
+    """
+    tall = a.shape[-2] >= a.shape[-1]
+    values, vectors = eigh_desc(gram(a))
+    values, vectors = values[..., :q], vectors[..., :q]
+    s = values.clamp_min(0).sqrt()
+    ok = trusted(values[..., -1], values[..., 0])
+    # Entries that fail the test may divide by zero here; they are replaced below.
+    other = (a @ vectors if tall else a.mT @ vectors) / s.unsqueeze(-2)
+    u, v = (other, vectors) if tall else (vectors, other)
+
+    def exact(index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        uu, ss, vh = torch.linalg.svd(a[index], full_matrices=False)
+        return uu[..., :q], ss[..., :q], vh[..., :q, :].mT
+
+    repair(ok, (u, s, v), exact)
+    return u, s, v
+
+
+def psd_inv_sqrt(g: Tensor) -> tuple[Tensor, Tensor]:
+    """G^{-1/2} of symmetric positive definite matrices, and per matrix whether it can be
+    trusted (smallest eigenvalue not negligible against the largest)."""
+    values, vectors = torch.linalg.eigh(g)
+    ok = trusted(values[..., 0], values[..., -1])
+    scale = values.clamp_min(torch.finfo(values.dtype).tiny).rsqrt()
+    return (vectors * scale.unsqueeze(-2)) @ vectors.mT, ok
+
+
+def polar_svd(a: Tensor) -> Tensor:
+    """Polar factor U Vᵀ from a plain SVD: the reference method, and the fallback."""
+    u, _, vh = torch.linalg.svd(a, full_matrices=False)
+    return u @ vh
+
+
+def polar_gram(a: Tensor) -> Tensor:
+    """Polar factor via the Gram matrix of the smaller side: a (aᵀa)^{-1/2} or (a aᵀ)^{-1/2} a.
+
+    Numerically rank-deficient matrices (including zero ones) are recomputed by SVD.
+    """
+    h, ok = psd_inv_sqrt(gram(a))
+    q = a @ h if a.shape[-2] >= a.shape[-1] else h @ a
+    repair(ok, (q,), lambda index: (polar_svd(a[index]),))
+    return q
+
+
+def _qdwh_weights(lower: float) -> tuple[float, float, float]:
+    """Dynamically weighted Halley coefficients (a, b, c) for the lower bound `lower`."""
+    l2 = lower * lower
+    d = (4.0 * (1.0 - l2) / (l2 * l2)) ** (1.0 / 3.0)
+    sq = math.sqrt(1.0 + d)
+    a = sq + 0.5 * math.sqrt(8.0 - 4.0 * d + 8.0 * (2.0 - l2) / (l2 * sq))
+    b = (a - 1.0) ** 2 / 4.0
+    return a, b, a + b - 1.0
+
+
+def polar_qdwh(a: Tensor, max_iter: int = _QDWH_MAX_ITER) -> Tensor:
+    """Polar factor by the QDWH iteration (Nakatsukasa, Bai & Gygi 2010), iterated to convergence.
+
+    Each step maps every singular value σ to σ(a + bσ²)/(1 + cσ²) with weights chosen from a
+    lower bound of the smallest σ, so all of them reach 1 in at most six steps; the steps use
+    a QR factorisation while c is large (stable for any conditioning) and a Cholesky solve
+    after. It stops when ||X_k − X_{k−1}||_F ≤ (5 eps)^{1/3}: the iteration is cubically
+    convergent, so the last iterate is then accurate to about eps. Zero singular values stay
+    zero (a rank-deficient matrix gives its partial isometry). If it has not converged after
+    `max_iter` steps (not expected in float64) the SVD result is returned, with a warning.
+    Matrix products here need full float32/float64 precision: run it under `exact_matmul`.
+    """
+    if a.shape[-2] < a.shape[-1]:
+        return polar_qdwh(a.mT, max_iter).mT
+    m, n = a.shape[-2:]
+    eps = torch.finfo(a.dtype).eps
+    norm = torch.linalg.matrix_norm(a).clamp_min(torch.finfo(a.dtype).tiny)
+    x = a / norm[..., None, None]
+    eye = torch.eye(n, dtype=a.dtype, device=a.device).expand(*a.shape[:-2], n, n)
+    lower = _QDWH_L0.get(a.dtype, 1e-6)
+    stop = (5.0 * eps) ** (1.0 / 3.0)
+    for _ in range(max_iter):
+        wa, wb, wc = _qdwh_weights(lower)
+        if wc > 100.0:
+            q, _ = torch.linalg.qr(torch.cat([math.sqrt(wc) * x, eye], dim=-2))
+            step = (q[..., :m, :] @ q[..., m:, :].mT) * ((wa - wb / wc) / math.sqrt(wc))
+        else:
+            chol = torch.linalg.cholesky(eye + wc * (x.mT @ x))
+            step = torch.cholesky_solve(x.mT, chol).mT * (wa - wb / wc)
+        x_next = x * (wb / wc) + step
+        change = torch.linalg.matrix_norm(x_next - x).max()
+        x = x_next
+        lower = min(1.0, lower * (wa + wb * lower * lower) / (1.0 + wc * lower * lower))
+        if float(change) <= stop and lower > 1.0 - 1e-3:
+            return x
+    warnings.warn("QDWH polar iteration did not converge; using the SVD", RuntimeWarning,
+                  stacklevel=2)
+    return polar_svd(a)
+
+
+def polar64(a: Tensor, method: str = "auto") -> Tensor:
+    """Polar factor of each matrix in a float64 batch. `method`: "auto" (QDWH on CUDA, Gram +
+    eigh elsewhere), "gram", "qdwh" or "svd"."""
+    if method == "auto":
+        method = "qdwh" if a.is_cuda else "gram"
+    if method == "gram":
+        return polar_gram(a)
+    if method == "qdwh":
+        return polar_qdwh(a)
+    if method == "svd":
+        return polar_svd(a)
+    raise ValueError(f"polar method must be one of 'auto', 'gram', 'qdwh', 'svd'; got {method!r}")
+
+
+def polar(matrix: Tensor, method: str = "auto") -> Tensor:
+    """The polar factor Q = U Vᵀ of `matrix` (reduced SVD M = U S Vᵀ; SPEC.md, ISO-C).
+
+    `matrix` is (m, n) or a batch (..., m, n); the result has its shape and dtype and is
+    computed in float64. For a rank-deficient matrix the polar factor is not unique; any
+    orthonormal completion (or, for method "qdwh", the partial isometry) may be returned.
+    """
+    if matrix.dim() < 2:
+        raise ValueError(f"polar needs a matrix (2 or more dims); got shape {tuple(matrix.shape)}")
+    batch = matrix.reshape(-1, *matrix.shape[-2:]).to(torch.float64)
+    with exact_matmul():
+        result = polar64(batch, method)
+    return result.reshape(matrix.shape).to(matrix.dtype)
+
+
+def polar_with_orthonormal_block(x: Tensor, q: Tensor) -> Tensor:
+    """polar([x, q]) for float64 batches where q (b,p,c) has orthonormal columns and x (b,p,t)
+    has few, without any eigenproblem larger than 2t × 2t.
+
+    With A = qᵀx, the Gram matrix is G = I + [[xᵀx − I, Aᵀ], [A, 0]]; the correction lies in
+    the span of Z = blockdiag(I_t, Y), Y an orthonormal basis of range(A) (from a QR of A). So
+    G^{-1/2} = I + Z (K^{-1/2} − I) Zᵀ with the small K = Zᵀ G Z, and
+    polar([x, q]) = [x, q] + [x, qY] (K^{-1/2} − I) Zᵀ. Badly conditioned cases fall back to
+    the general polar factor.
+    """
+    t = x.shape[-1]
+    if q.shape[-1] == 0:
+        return polar64(x)
+    if t == 0:
+        return q.clone()
+    y, _ = torch.linalg.qr(q.mT @ x)
+    xz = torch.cat([x, q @ y], dim=-1)
+    h, ok = psd_inv_sqrt(xz.mT @ xz)
+    h.diagonal(dim1=-2, dim2=-1).sub_(1.0)
+    corr = xz @ h
+    result = torch.cat([x + corr[..., :t], q + corr[..., t:] @ y.mT], dim=-1)
+    repair(ok, (result,), lambda index: (polar64(torch.cat([x[index], q[index]], dim=-1)),))
+    return result
+
+
+def mean64(deltas: Sequence[Tensor]) -> Tensor:
+    """(1/R) Σ_r Δ_r accumulated in float64 (any shapes, all equal)."""
+    total = deltas[0].to(torch.float64, copy=True)
+    for delta in deltas[1:]:
+        total += delta
+    return total.div_(len(deltas))

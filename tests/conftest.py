@@ -1,0 +1,57 @@
+"""Shared fixtures: a small real dataset (prepared once per session) and one Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+# Ray reads these when it starts; quiet and fast for tests (RAY_NOTES.md, "fast-test pattern").
+os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION", "0")
+
+WORDS = ("the of and to in a is that for it as was with be by on not he this are or his "
+         "from at which but have an they you were her she there been one all we their has "
+         "would when if so no what up out said who will more some into time could them "
+         "river stone light house garden winter letter morning window silver").split()
+
+
+def synthetic_documents(count: int, seed: int = 0) -> list[str]:
+    """Sentence-like text from a fixed vocabulary, different for every seed."""
+    rng = random.Random(seed)
+    documents = []
+    for _ in range(count):
+        sentences = []
+        for _ in range(rng.randint(3, 12)):
+            words = rng.choices(WORDS, k=rng.randint(4, 14))
+            sentences.append(" ".join(words).capitalize() + ".")
+        documents.append(" ".join(sentences))
+    return documents
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory):
+    """A prepared dataset (format.py): BPE vocab 384, blocks of 64 tokens, 16 blocks a shard."""
+    from isoloco_ray.data.prepare import prepare_dataset
+
+    out = tmp_path_factory.mktemp("data") / "small"
+    prepare_dataset(synthetic_documents(600), out, vocab_size=384, block_len=64,
+                    shard_blocks=16, valid_fraction=0.05, test_fraction=0.02, seed=0,
+                    source_name="synthetic test text")
+    return out
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole session, more logical CPUs than cores."""
+    import ray
+    import ray.data
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             object_store_memory=512 * 1024**2)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
