@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from isoloco_ray.config import load_config
 from isoloco_ray.data.prepare import ensure_demo_data
 from isoloco_ray.workers.local import run_local
@@ -37,9 +35,8 @@ def main() -> None:
 
     cfg = load_config(flags)
     single = load_config(flags + [f"--scaling.replicas_per_worker={cfg.scaling.replicas}"])
-    torch.set_num_threads(os.cpu_count() or 1)
     started = time.perf_counter()
-    plain, _ = run_local(single, data_dir)
+    plain, _ = run_local(single, data_dir, threads_per_worker=os.cpu_count() or 1)
     plain_wall = time.perf_counter() - started
 
     name = f"throughput-{time.time_ns()}"

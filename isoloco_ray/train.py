@@ -131,7 +131,7 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> dict[str, Any]:
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Queue
 
-    from isoloco_ray.data.stream import make_replica_data_config, replica_datasets
+    from isoloco_ray.data.stream import replica_data_config, replica_datasets
     from isoloco_ray.workers.loop import train_loop_per_worker
 
     import ray.data
@@ -153,7 +153,7 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> dict[str, Any]:
             name=run_dir.name, storage_path=str(run_dir.parent),
             logging_config=ray.train.LoggingConfig(log_level="ERROR")),
         datasets=replica_datasets(split_files(data_dir, "train"), cfg.scaling.replicas),
-        dataset_config=make_replica_data_config(cfg.scaling.replicas_per_worker),
+        dataset_config=replica_data_config(),
     )
     try:
         result = trainer.fit()

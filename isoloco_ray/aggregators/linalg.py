@@ -98,6 +98,9 @@ def top_svd(a: Tensor, q: int) -> tuple[Tensor, Tensor, Tensor]:
     zero singular values).
     """
     tall = a.shape[-2] >= a.shape[-1]
+    if q == 0:
+        return a.new_zeros(*a.shape[:-1], 0), a.new_zeros(*a.shape[:-2], 0), \
+            a.new_zeros(*a.shape[:-2], a.shape[-1], 0)
     values, vectors = eigh_desc(gram(a))
     values, vectors = values[..., :q], vectors[..., :q]
     s = values.clamp_min(0).sqrt()

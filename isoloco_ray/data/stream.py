@@ -2,8 +2,8 @@
 
 Replica r of R owns the train shards `files[r::R]` (whole parquet files, in order), whatever the
 worker layout, so moving replicas between workers never changes what they train on. On Ray the
-shards are read by Ray Data (`read_parquet`, order preserved, one dataset per replica handed only
-to the worker that hosts it: `ReplicaDataConfig`); without Ray (tests, single-process loops) the
+shards are read by Ray Data (`read_parquet`, order preserved, one unsplit dataset per replica,
+read only by the worker that hosts it: `replica_data_config`); without Ray (tests, single-process loops) the
 same files are read with pyarrow. Both feed `ReplicaStream`, which cuts blocks into sequences,
 groups them into batches and counts what it consumed, since Ray Data cannot resume mid-epoch.
 """
@@ -131,26 +131,15 @@ def replica_datasets(train_files: Sequence[Path], replicas: int) -> dict[str, ra
     }
 
 
-def make_replica_data_config(replicas_per_worker: int) -> Any:
-    """A Ray Train DataConfig that hands worker w exactly the datasets of the replicas it hosts.
+def replica_data_config() -> Any:
+    """A Ray Train DataConfig that leaves each replica's dataset whole and ordered.
 
-    Train's default config would split every dataset across all workers; here each replica's
-    dataset goes whole, unsplit, to its host, in order, so its stream is the same whatever the
-    number of workers.
+    Train's default would split every dataset across all workers; here no dataset is split
+    (each worker may open any replica's stream and only the host of replica r reads
+    `train_r`) and order is preserved, so a replica's stream does not depend on the layout.
     """
+    from ray.data import ExecutionOptions
     from ray.train import DataConfig
 
-    class ReplicaDataConfig(DataConfig):
-        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-            assignments: list[dict[str, Any]] = [{} for _ in range(world_size)]
-            for name, dataset in datasets.items():
-                replica = int(name.removeprefix("train_"))
-                dataset = dataset.copy(dataset)
-                options = self._resolve_execution_options(name)
-                options.preserve_order = True
-                dataset.context.execution_options = options
-                dataset.context.enable_progress_bars = False
-                assignments[replica // replicas_per_worker][name] = dataset.iterator()
-            return assignments
-
-    return ReplicaDataConfig(datasets_to_split=[])
+    return DataConfig(datasets_to_split=[],
+                      execution_options=ExecutionOptions(preserve_order=True))

@@ -52,11 +52,17 @@ def _worker(rank: int, world: int, config: dict[str, Any], data_dir: str, scratc
 def run_local(cfg: TrainConfig, data_dir: Path, threads_per_worker: int = 1
               ) -> tuple[Metrics, dict[str, torch.Tensor]]:
     """Train `cfg` on cfg.scaling.num_workers local processes (gloo); rank 0's summary and
-    final global parameters. With one worker everything runs in this process."""
+    final global parameters. With one worker everything runs in this process. Each worker
+    uses `threads_per_worker` intra-op threads (float sums depend on the thread count)."""
     world = cfg.scaling.num_workers
     if world == 1:
-        trainer = Trainer(cfg, data_dir, local_env(cfg, data_dir))
-        return trainer.run(), trainer.global_params
+        threads = torch.get_num_threads()
+        torch.set_num_threads(threads_per_worker)
+        try:
+            trainer = Trainer(cfg, data_dir, local_env(cfg, data_dir))
+            return trainer.run(), trainer.global_params
+        finally:
+            torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as scratch:
         mp.start_processes(_worker, nprocs=world, start_method="spawn", join=True,
                            args=(world, cfg.model_dump(mode="json"), str(data_dir), scratch,

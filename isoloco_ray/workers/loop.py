@@ -125,7 +125,7 @@ class Trainer:
         env.report({"round": 0, "tokens": 0, "eval_loss": initial_eval,
                     "eval_perplexity": perplexity(initial_eval)})
         eval_loss = initial_eval
-        train_seconds, bytes_total = 0.0, 0
+        train_seconds, first_round_seconds, bytes_total = 0.0, 0.0, 0
         run_round = (self.data_parallel_round if cfg.outer.strategy == "adamw_ddp"
                      else self.diloco_round)
         while self.round < cfg.run.rounds:
@@ -134,6 +134,8 @@ class Trainer:
             self.round += 1
             seconds = time.perf_counter() - started
             train_seconds += seconds
+            if self.round == 1:
+                first_round_seconds = seconds
             bytes_total += stats.bytes_received
             (loss_sum,) = all_reduce_scalars([loss_sum], env.device)
             metrics: Metrics = {
@@ -159,10 +161,22 @@ class Trainer:
             "initial_eval_loss": initial_eval,
             "final_eval_loss": eval_loss,
             "final_eval_perplexity": perplexity(eval_loss),
-            "tokens_per_s": self.round * tokens_per_round / max(train_seconds, 1e-9),
+            "tokens_per_s": steady_tokens_per_s(self.round, tokens_per_round, train_seconds,
+                                                first_round_seconds),
             "train_seconds": train_seconds,
+            "first_round_seconds": first_round_seconds,
             "outer_bytes_per_round": bytes_total / max(self.round, 1),
         }
+
+
+def steady_tokens_per_s(rounds: int, tokens_per_round: int, train_seconds: float,
+                        first_round_seconds: float) -> float:
+    """Training throughput after start-up: the first round also pays for starting the data
+    streams (Ray Data spawns its reader processes then), so it is left out when there are
+    others."""
+    if rounds > 1:
+        return (rounds - 1) * tokens_per_round / max(train_seconds - first_round_seconds, 1e-9)
+    return rounds * tokens_per_round / max(train_seconds, 1e-9)
 
 
 def export_model(model: nn.Module, data_dir: Path, out_dir: Path) -> None:

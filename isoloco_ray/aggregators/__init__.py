@@ -1,0 +1,43 @@
+"""Outer aggregation: pure tensor math, no Ray and no torch.distributed (SPEC.md).
+
+Modules, one idea each:
+
+- ``merge``: ``merge(strategy, deltas, **options)`` for one parameter tensor and
+  ``merge_all(strategy, deltas_by_name, **options)`` for a model (same-shape matrices batched);
+  strategies "mean", "isoc", "isocts", "tsv", "ties", "dare"; option checking.
+- ``isoc``: ISO-C of one matrix, from its polar factor.
+- ``isocts``: ISO-CTS (common + task-specific subspaces).
+- ``tsv``: TSV-Merge (task singular vectors).
+- ``sparsify``: TIES / DARE pruning and the TIES disjoint merge.
+- ``linalg``: polar factors (Gram + eigh on CPU, QDWH on CUDA), top-q SVD from Gram matrices,
+  with an SVD fallback wherever a Gram matrix would be too ill-conditioned to be exact.
+- ``outer``: ``OuterOptimizer``, SGD momentum / Nesterov then optional ISO-C of the update.
+
+Every spectral merge computes exactly the function SPEC.md defines, checked against a plain
+float64 SVD version in tests/reference_merges.py. Tensors that are not exactly 2-D always get
+the plain mean. Random pruning draws only from the generator(s) passed in: one torch.Generator
+shared by the replicas, or one per replica; `merge_all` uses them tensor by tensor in the
+mapping's order, replica by replica within a tensor, 2-D tensors only.
+"""
+
+from isoloco_ray.aggregators.isoc import isoc
+from isoloco_ray.aggregators.isocts import isocts_sizes
+from isoloco_ray.aggregators.linalg import polar
+from isoloco_ray.aggregators.merge import DEFAULTS, STRATEGIES, merge, merge_all
+from isoloco_ray.aggregators.outer import OuterOptimizer
+from isoloco_ray.aggregators.sparsify import disjoint_merge, sparsify
+from isoloco_ray.aggregators.tsv import tsv_rank
+
+__all__ = [
+    "DEFAULTS",
+    "STRATEGIES",
+    "OuterOptimizer",
+    "disjoint_merge",
+    "isoc",
+    "isocts_sizes",
+    "merge",
+    "merge_all",
+    "polar",
+    "sparsify",
+    "tsv_rank",
+]

@@ -1,0 +1,213 @@
+"""`merge` / `merge_all`: one strategy name and its options in, merged update direction out.
+
+The direction is what the outer optimizer then applies (SPEC.md, "Strategies"): before outer
+momentum and the outer learning rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from isoloco_ray.aggregators.checks import (
+    check_bool,
+    check_choice,
+    check_fraction,
+    check_generator,
+)
+from isoloco_ray.aggregators.isoc import isoc64
+from isoloco_ray.aggregators.isocts import isocts64
+from isoloco_ray.aggregators.linalg import exact_matmul, mean64
+from isoloco_ray.aggregators.sparsify import PRUNE_DIMS, PRUNE_METHODS, sparse_merge
+from isoloco_ray.aggregators.tsv import tsv64
+
+STRATEGIES = ("mean", "isoc", "isocts", "tsv", "ties", "dare")
+
+# Every option a strategy takes, with its default. None for keep_fraction means 1/R.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "mean": {},
+    "isoc": {},
+    "isocts": {"common_fraction": 0.8},
+    "tsv": {"keep_fraction": None, "decorrelate": True},
+    "ties": {"sparsity": 0.1, "prune": "magnitude", "prune_dim": "all", "rescale": False,
+             "disjoint": True, "generator": None},
+    "dare": {"sparsity": 0.1, "prune": "random", "prune_dim": "all", "rescale": True,
+             "disjoint": False, "generator": None},
+}
+
+# Inputs stacked per batched call of a spectral merge (the float64 work needs a few times more).
+_BATCH_BYTES = 256 << 20
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+def _spectral(strategy: str, opts: Mapping[str, Any]) -> Callable[[Sequence[Tensor]], Tensor]:
+    """The batched float64 implementation: R tensors (b, m, n) in, (b, m, n) out."""
+    if strategy == "isoc":
+        return lambda deltas: isoc64(mean64(deltas))
+    if strategy == "isocts":
+        return lambda deltas: isocts64(deltas, opts["common_fraction"])
+    return lambda deltas: tsv64(deltas, opts["keep_fraction"] or 1.0 / len(deltas),
+                                opts["decorrelate"])
+
+
+def resolve_options(strategy: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Check `strategy` and its `options`; return every option of the strategy with defaults
+    filled in (an option given as None takes its default). Raises ValueError on an unknown
+    strategy, an option the strategy does not take, or a value out of range."""
+    check_choice("strategy", strategy, STRATEGIES)
+    allowed = DEFAULTS[strategy]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        takes = ", ".join(allowed) if allowed else "no options"
+        raise ValueError(f"option(s) {', '.join(unknown)} do not apply to strategy "
+                         f"{strategy!r} (it takes: {takes})")
+    opts = dict(allowed)
+    opts.update({key: value for key, value in options.items() if value is not None})
+    if "common_fraction" in opts:
+        opts["common_fraction"] = check_fraction("common_fraction", opts["common_fraction"],
+                                                 0.0, 1.0)
+    if opts.get("keep_fraction") is not None:
+        opts["keep_fraction"] = check_fraction("keep_fraction", opts["keep_fraction"],
+                                               0.0, 1.0, low_open=True)
+    if "sparsity" in opts:
+        opts["sparsity"] = check_fraction("sparsity", opts["sparsity"], 0.0, 1.0,
+                                          high_open=True)
+        check_choice("prune", opts["prune"], PRUNE_METHODS)
+        check_choice("prune_dim", opts["prune_dim"], PRUNE_DIMS)
+        if strategy == "dare" and opts["prune"] != "random":
+            raise ValueError("prune for strategy 'dare' must be 'random' (DARE drops at random; "
+                             f"for magnitude pruning use 'ties'); got {opts['prune']!r}")
+        if opts["prune"] == "random" and opts["generator"] is None:
+            raise ValueError(f"strategy {strategy!r} with prune 'random' needs a generator "
+                             "(a seeded torch.Generator, or one per replica)")
+    for key in ("decorrelate", "rescale", "disjoint"):
+        if key in opts:
+            check_bool(key, opts[key])
+    if opts.get("generator") is not None:
+        gens = opts["generator"]
+        if not isinstance(gens, torch.Generator | Sequence):
+            check_generator("generator", gens)
+        for g in [gens] if isinstance(gens, torch.Generator) else gens:
+            check_generator("generator", g)
+    return opts
+
+
+def _replica_generators(generator: Generators, replicas: int) -> list[torch.Generator | None]:
+    if generator is None or isinstance(generator, torch.Generator):
+        return [generator] * replicas
+    gens = list(generator)
+    if len(gens) != replicas:
+        raise ValueError(f"generator: a sequence needs one generator per replica ({replicas}); "
+                         f"got {len(gens)}")
+    return gens
+
+
+def _check_deltas(deltas: Sequence[Tensor] | Tensor, name: str = "") -> list[Tensor]:
+    """The replicas' tensors as a list, all of one shape, dtype and device."""
+    where = f" for {name!r}" if name else ""
+    items = list(deltas.unbind(0)) if isinstance(deltas, Tensor) else list(deltas)
+    if not items:
+        raise ValueError(f"deltas{where}: need at least one replica's tensor; got none")
+    if not all(isinstance(d, Tensor) for d in items):
+        raise ValueError(f"deltas{where}: every entry must be a torch.Tensor")
+    first = items[0]
+    for d in items[1:]:
+        if d.shape != first.shape:
+            raise ValueError(f"deltas{where}: shapes differ: {tuple(first.shape)} and "
+                             f"{tuple(d.shape)}")
+        if d.dtype != first.dtype or d.device != first.device:
+            raise ValueError(f"deltas{where}: dtypes/devices differ: {first.dtype} on "
+                             f"{first.device} and {d.dtype} on {d.device}")
+    if not first.is_floating_point():
+        raise ValueError(f"deltas{where}: need floating-point tensors; got {first.dtype}")
+    return items
+
+
+def _merge_one(strategy: str, deltas: list[Tensor], opts: Mapping[str, Any],
+               generators: list[torch.Generator | None]) -> Tensor:
+    """One tensor, unbatched: the plain mean for non-2-D tensors and for "mean"."""
+    if deltas[0].dim() != 2 or strategy == "mean":
+        return mean64(deltas).to(deltas[0].dtype)
+    if strategy in ("ties", "dare"):
+        return sparse_merge(deltas, sparsity=opts["sparsity"], prune=opts["prune"],
+                            prune_dim=opts["prune_dim"], rescale=opts["rescale"],
+                            disjoint=opts["disjoint"], generators=generators)
+    with exact_matmul():
+        merged = _spectral(strategy, opts)([d.unsqueeze(0) for d in deltas])
+    return merged[0].to(deltas[0].dtype)
+
+
+def merge(strategy: str, deltas: Sequence[Tensor] | Tensor, **options: Any) -> Tensor:
+    """Merged update direction of ONE parameter tensor from its R pseudo-gradients Δ_r.
+
+    strategy (SPEC.md, "Strategies"; tensors that are not exactly 2-D always get the mean):
+      "mean"    (1/R) Σ Δ_r.
+      "isoc"    ISO-C(mean(Δ)).
+      "isocts"  ISO-CTS({Δ_r}); option common_fraction in [0, 1] (default 0.8).
+      "tsv"     TSV-Merge({Δ_r}); keep_fraction in (0, 1] (default 1/R), decorrelate (True).
+      "ties"    sparsify each Δ_r, then the TIES disjoint merge; sparsity in [0, 1) (0.1),
+                prune "magnitude" (default) | "random", prune_dim "all" (default) | "row" |
+                "column", rescale (False), disjoint (True), generator (for random pruning).
+      "dare"    the same with prune "random" (the only choice), rescale True and disjoint
+                False by default; generator required.
+    `deltas` is a sequence of R tensors of one shape (or one tensor stacked on dim 0).
+    `generator` is a torch.Generator shared by all replicas (used in replica order) or a
+    sequence of R generators, replica r drawing from the r-th. Options given as None take
+    their defaults. Returns a tensor of the inputs' shape and dtype; the spectral merges are
+    computed in float64. Raises ValueError on bad strategies, options or inputs.
+    """
+    opts = resolve_options(strategy, options)
+    items = _check_deltas(deltas)
+    return _merge_one(strategy, items, opts, _replica_generators(opts.get("generator"),
+                                                                  len(items)))
+
+
+def merge_all(strategy: str, deltas_by_name: Mapping[str, Sequence[Tensor] | Tensor],
+              **options: Any) -> dict[str, Tensor]:
+    """`merge` applied to every tensor of a model; the same result as calling it per tensor.
+
+    Spectral merges (isoc, isocts, tsv) of same-shape 2-D tensors run as batches (torch's
+    batched linalg). Random pruning draws from the generator(s) tensor by tensor in the
+    iteration order of `deltas_by_name` (replica by replica within a tensor; 2-D tensors only,
+    since the others get the plain mean), exactly as a loop of `merge` calls would. Returns a
+    dict in the mapping's order.
+    """
+    opts = resolve_options(strategy, options)
+    checked = {name: _check_deltas(ds, name) for name, ds in deltas_by_name.items()}
+    if strategy not in ("isoc", "isocts", "tsv"):
+        merged: dict[str, Tensor] = {}
+        gens: dict[int, list[torch.Generator | None]] = {}
+        for name, items in checked.items():
+            replicas = len(items)
+            if replicas not in gens:
+                gens[replicas] = _replica_generators(opts.get("generator"), replicas)
+            merged[name] = _merge_one(strategy, items, opts, gens[replicas])
+        return merged
+
+    merged = {}
+    groups: dict[tuple, list[str]] = {}
+    for name, items in checked.items():
+        if items[0].dim() != 2:
+            merged[name] = mean64(items).to(items[0].dtype)
+        else:
+            first = items[0]
+            groups.setdefault((first.shape, first.dtype, first.device, len(items)),
+                              []).append(name)
+    compute = _spectral(strategy, opts)
+    for (shape, dtype, _, replicas), names in groups.items():
+        per_matrix = replicas * shape.numel() * dtype.itemsize
+        size = max(1, _BATCH_BYTES // max(per_matrix, 1))
+        for start in range(0, len(names), size):
+            chunk = names[start:start + size]
+            stacked = [torch.stack([checked[name][r] for name in chunk])
+                       for r in range(replicas)]
+            with exact_matmul():
+                result = compute(stacked)
+            del stacked
+            for i, name in enumerate(chunk):
+                merged[name] = result[i].to(dtype)
+    return {name: merged[name] for name in checked}
