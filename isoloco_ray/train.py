@@ -23,7 +23,9 @@ QUIET_RAY_ENV = {
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
-    "RAY_DEDUP_LOGS": "0",
+    # Ray Data starts a reader process per replica stream at once; above 4x this limit the
+    # raylet prints a warning per burst that says nothing actionable here.
+    "RAY_worker_maximum_startup_concurrency": "8",
 }
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from isoloco_ray.config import ConfigError, TrainConfig, load_config
@@ -64,16 +62,23 @@ def test_config_errors_name_the_field(args, message):
     assert message in str(err.value)
 
 
-def test_cli_error_exits_2_without_traceback_or_ray(capsys, tmp_path):
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fails the test if the CLI gets as far as starting Ray."""
+    def refuse(cfg):
+        raise AssertionError("Ray was started for an invalid configuration")
+    monkeypatch.setattr(train, "start_ray", refuse)
+
+
+def test_cli_error_exits_2_without_traceback_or_ray(capsys, no_ray):
     status = train.main(["--scaling.replicas=3"])
     err = capsys.readouterr().err
     assert status == 2
     assert err.startswith("error: scaling.replicas (3) must be divisible")
     assert "Traceback" not in err
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
 
-def test_missing_data_path_is_a_config_error(capsys, tmp_path):
+def test_missing_data_path_is_a_config_error(capsys, tmp_path, no_ray):
     status = train.main([f"--data.path={tmp_path / 'nowhere'}"])
     assert status == 2
     assert "data.path:" in capsys.readouterr().err
@@ -88,3 +93,17 @@ def test_help_lists_every_field_with_default(capsys):
                  "--inner.steps", "--outer.strategy", "--run.token_budget"):
         assert flag in out
     assert "(default: 20)" in out  # inner.steps
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.vocab_size=100"], "model.vocab_size (100) is smaller than the data's tokenizer "
+                                 "vocabulary (384"),
+    (["--data.seq_len=128"], "data.seq_len (128) is longer than the data's blocks (64 tokens)"),
+    (["--scaling.replicas=64", "--scaling.replicas_per_worker=64"],
+     "scaling.replicas (64) exceeds the train shards"),
+    (["--run.rounds=1000"], "run.rounds (1000) needs 160000 sequences per replica"),
+])
+def test_data_dependent_errors_exit_2_before_ray(small_dataset, capsys, no_ray, args, message):
+    base = ["--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64"]
+    assert train.main(base + args) == 2
+    assert message in capsys.readouterr().err

@@ -126,7 +126,7 @@ def replica_datasets(train_files: Sequence[Path], replicas: int) -> dict[str, ra
 
     return {
         dataset_name(r): ray.data.read_parquet(
-            [str(p) for p in replica_files(train_files, r, replicas)], columns=["tokens"])
+            [str(p) for p in replica_files(train_files, r, replicas)])
         for r in range(replicas)
     }
 
