@@ -52,9 +52,20 @@ STRATEGY_PRESETS: dict[str, dict[str, Any]] = {
                       nesterov=False),
 }
 
-# Strategies the training loop can run today; the others validate but are refused with a
-# message saying so, rather than failing deep inside a worker.
-AVAILABLE_STRATEGIES: tuple[str, ...] = tuple(STRATEGY_PRESETS)
+# Which strategies each merge option of OuterConfig applies to; setting one for another
+# strategy is an error rather than silently ignored.
+_SPARSIFY = ("ties", "dare")
+OPTION_STRATEGIES: dict[str, tuple[str, ...]] = {
+    "orthogonalize": ("isoloco",),
+    "common_fraction": ("isocts",),
+    "keep_fraction": ("tsv",),
+    "decorrelate": ("tsv",),
+    "sparsity": _SPARSIFY, "prune": _SPARSIFY, "prune_dim": _SPARSIFY, "rescale": _SPARSIFY,
+    "disjoint": _SPARSIFY,
+    "lr": tuple(s for s in STRATEGY_PRESETS if s != "adamw_ddp"),
+    "momentum": tuple(s for s in STRATEGY_PRESETS if s != "adamw_ddp"),
+    "nesterov": tuple(s for s in STRATEGY_PRESETS if s != "adamw_ddp"),
+}
 
 
 class _Section(BaseModel):
@@ -214,10 +225,11 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _resolve(self) -> TrainConfig:
         preset = STRATEGY_PRESETS[self.outer.strategy]
-        if self.outer.strategy not in AVAILABLE_STRATEGIES:
-            raise ValueError(
-                f"outer.strategy '{self.outer.strategy}' is not built yet; available: "
-                f"{', '.join(AVAILABLE_STRATEGIES)}")
+        for option, strategies in OPTION_STRATEGIES.items():
+            if getattr(self.outer, option) is not None and self.outer.strategy not in strategies:
+                raise ValueError(
+                    f"outer.{option} does not apply to outer.strategy "
+                    f"'{self.outer.strategy}' (only to {', '.join(strategies)}); remove it")
         if self.inner.lr is None:
             self.inner.lr = preset["inner_lr"]
         if self.inner.weight_decay is None:
@@ -225,6 +237,9 @@ class TrainConfig(_Section):
         for key, value in preset.items():
             if not key.startswith("inner_") and getattr(self.outer, key) is None:
                 setattr(self.outer, key, value)
+        if self.outer.nesterov and not self.outer.momentum:
+            raise ValueError("outer.nesterov needs outer.momentum > 0; set --outer.momentum "
+                             "or --outer.nesterov=false")
         if self.outer.strategy == "tsv" and self.outer.keep_fraction is None:
             self.outer.keep_fraction = 1.0 / self.scaling.replicas
         if self.run.token_budget is not None:

@@ -55,6 +55,12 @@ def test_token_budget_sets_rounds():
                                                            "multiple of data.micro_batch_size"),
     (["--run.rounds=2", "--run.token_budget=10"], "set run.rounds or run.token_budget"),
     (["missing.yaml"], "config file missing.yaml does not exist"),
+    (["--outer.keep_fraction=0.5"], "outer.keep_fraction does not apply to outer.strategy "
+                                    "'diloco' (only to tsv)"),
+    (["--outer.strategy=isoc", "--outer.nesterov=true"], "outer.nesterov needs "
+                                                        "outer.momentum > 0"),
+    (["--outer.strategy=tsv", "--outer.keep_fraction=1.5"], "outer.keep_fraction: Input should "
+                                                           "be less than or equal to 1"),
 ])
 def test_config_errors_name_the_field(args, message):
     with pytest.raises(ConfigError) as err:

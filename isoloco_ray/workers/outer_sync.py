@@ -64,6 +64,9 @@ class OuterSync:
             lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov,
             orthogonalize_update=isoloco_update)
         self.traffic = TrafficCounter()
+        # DARE's plain mean needs only the sum; its TIES-style disjoint variant needs every Δ_r.
+        self.mean_only = outer.strategy in MEAN_ONLY and not (
+            outer.strategy == "dare" and outer.disjoint)
 
     def step(self, global_params: dict[str, torch.Tensor],
              hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int
@@ -71,7 +74,7 @@ class OuterSync:
         """Apply one outer step to `global_params` in place from the hosted replicas' Δ_r."""
         stats = OuterStepStats()
         names = list(global_params)
-        if self.outer.strategy in MEAN_ONLY:
+        if self.mean_only:
             directions = self._mean_only(names, hosted, round_index, stats)
         else:
             directions = self._per_replica(names, hosted, round_index, stats)
