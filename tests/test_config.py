@@ -113,3 +113,10 @@ def test_data_dependent_errors_exit_2_before_ray(small_dataset, capsys, no_ray, 
     base = ["--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64"]
     assert train.main(base + args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_unknown_yaml_field_is_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("inner: {stpes: 30}\n")
+    with pytest.raises(ConfigError, match=r"inner.stpes: unknown field"):
+        load_config([str(path)])
