@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,24 +128,22 @@ def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Eve
             print(format_progress(metrics, rounds), flush=True)
 
 
-def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> dict[str, Any]:
-    """Run the TorchTrainer; returns rank 0's final metrics."""
+def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any = None,
+                  callbacks: Sequence[Any] = ()) -> Any:
+    """The Ray Train TorchTrainer of one run (R/V workers, one dataset per replica).
+
+    `progress`: a ray.util.queue.Queue that rank 0 puts every report on; `callbacks`: Ray
+    Train callbacks (e.g. Tune's TuneReportCallback).
+    """
+    import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
-    from ray.util.queue import Queue
 
     from isoloco_ray.data.stream import replica_data_config, replica_datasets
     from isoloco_ray.workers.loop import train_loop_per_worker
 
-    import ray.data
-
     ray.data.DataContext.get_current().enable_progress_bars = False
-    progress = Queue(actor_options={"num_cpus": 0})
-    stop = threading.Event()
-    follower = threading.Thread(target=follow_progress, daemon=True,
-                                args=(progress, cfg.run.rounds, run_dir / "metrics.jsonl", stop))
-    follower.start()
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.model_dump(mode="json"), "data_dir": str(data_dir),
                            "run_dir": str(run_dir), "progress": progress},
@@ -152,17 +151,51 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> dict[str, Any]:
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
         run_config=ray.train.RunConfig(
-            name=run_dir.name, storage_path=str(run_dir.parent),
+            name=run_dir.name, storage_path=str(run_dir.parent), callbacks=list(callbacks),
             logging_config=ray.train.LoggingConfig(log_level="ERROR")),
         datasets=replica_datasets(split_files(data_dir, "train"), cfg.scaling.replicas),
         dataset_config=replica_data_config(),
     )
+
+
+def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> dict[str, Any]:
+    """Run the TorchTrainer, printing progress lines; returns rank 0's final metrics."""
+    from ray.util.queue import Queue
+
+    progress = Queue(actor_options={"num_cpus": 0})
+    stop = threading.Event()
+    follower = threading.Thread(target=follow_progress, daemon=True,
+                                args=(progress, cfg.run.rounds, run_dir / "metrics.jsonl", stop))
+    follower.start()
     try:
-        result = trainer.fit()
+        result = build_trainer(cfg, data_dir, run_dir, progress).fit()
     finally:
         stop.set()
         follower.join()
     return result.return_value
+
+
+def validated_data_dir(cfg: TrainConfig) -> Path:
+    """The data directory of `cfg`, checked against the config; raises ConfigError/DataError."""
+    data_dir = resolve_data_dir(cfg)
+    check_against_data(cfg, DatasetMeta.load(data_dir), data_dir)
+    return data_dir
+
+
+def write_summary(cfg: TrainConfig, final: dict[str, Any], data_dir: Path, run_dir: Path,
+                  seconds: float) -> dict[str, Any]:
+    """Write `run_dir/summary.json` for a finished run and return its contents."""
+    summary = {
+        "strategy": cfg.outer.strategy,
+        "replicas": cfg.scaling.replicas,
+        **final,
+        "model_dir": str(run_dir / "model"),
+        "run_dir": str(run_dir),
+        "data_dir": str(data_dir),
+        "seconds": seconds,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         cfg = load_config(args)
-        data_dir = resolve_data_dir(cfg)
-        meta = DatasetMeta.load(data_dir)
-        check_against_data(cfg, meta, data_dir)
+        data_dir = validated_data_dir(cfg)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -193,21 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     start_ray(cfg)
     final = fit(cfg, data_dir, run_dir)
-    summary = {
-        "strategy": cfg.outer.strategy,
-        "replicas": cfg.scaling.replicas,
-        **final,
-        "model_dir": str(run_dir / "model"),
-        "run_dir": str(run_dir),
-        "data_dir": str(data_dir),
-        "seconds": time.perf_counter() - started,
-    }
-    summary_path = run_dir / "summary.json"
-    summary_path.write_text(json.dumps(summary, indent=2))
+    summary = write_summary(cfg, final, data_dir, run_dir, time.perf_counter() - started)
     print(f"final eval loss {summary['final_eval_loss']:.4f} (from "
           f"{summary['initial_eval_loss']:.4f}), {summary['tokens']:,} tokens, "
           f"{summary['tokens_per_s']:,.0f} tok/s, {summary['seconds']:.0f}s")
-    print(f"summary: {summary_path}")
+    print(f"summary: {run_dir / 'summary.json'}")
     return 0
 
 
