@@ -195,6 +195,29 @@ class OuterConfig(_Section):
     disjoint: bool | None = Field(None, description="ties/dare: TIES sign-elected disjoint merge")
 
 
+class WandbConfig(_Section):
+    """Optional Weights & Biases logging (needs `pip install 'isoloco_ray[wandb]'`)."""
+
+    project: str | None = Field(None, description="W&B project; setting it turns logging on "
+                                "(nothing contacts W&B otherwise)")
+    entity: str | None = Field(None, description="W&B team or user")
+    group: str | None = Field(None, description="W&B group (in a Tune grid, unset: the grid's "
+                                "name)")
+    tags: list[str] = Field(default_factory=list, description="W&B tags")
+    mode: Literal["online", "offline"] | None = Field(
+        None, description="online, or offline (no network; upload later with `wandb sync`); "
+        "unset: WANDB_MODE, else online")
+
+    @model_validator(mode="after")
+    def _needs_project(self) -> WandbConfig:
+        unused = [name for name in ("entity", "group", "mode") if getattr(self, name) is not None]
+        unused += ["tags"] if self.tags else []
+        if self.project is None and unused:
+            raise ValueError(f"run.wandb.{unused[0]} needs run.wandb.project (W&B logging is "
+                             "on only when a project is set)")
+        return self
+
+
 class RunConfig(_Section):
     """Length, evaluation, naming and storage of the run."""
 
@@ -208,8 +231,16 @@ class RunConfig(_Section):
     eval_every: int = Field(4, gt=0, description="evaluate every N rounds (and first and last)")
     eval_tokens: int = Field(65536, gt=0, description="validation tokens per evaluation")
     seed: int = Field(0, description="seed of model init and every random stream")
+    checkpoint_every: int = Field(4, gt=0, description="checkpoint every N rounds (and at "
+                                  "the end)")
+    keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (the newest)")
+    max_failures: int = Field(3, ge=-1, description="worker-group restarts from the latest "
+                              "checkpoint after a crash (-1: unlimited)")
+    max_bad_rounds: int = Field(3, gt=0, description="stop after this many consecutive rounds "
+                                "in which every replica diverged")
     num_cpus: int | None = Field(None, gt=0, description="logical CPUs of a local Ray cluster "
                                  "(default: 2x the cores, at least 4)")
+    wandb: WandbConfig = WandbConfig()
 
 
 class TrainConfig(_Section):
@@ -226,7 +257,11 @@ class TrainConfig(_Section):
     def _resolve(self) -> TrainConfig:
         preset = STRATEGY_PRESETS[self.outer.strategy]
         for option, strategies in OPTION_STRATEGIES.items():
-            if getattr(self.outer, option) is not None and self.outer.strategy not in strategies:
+            value = getattr(self.outer, option)
+            # The preset's own value is allowed, so a resolved config round-trips (adamw_ddp
+            # fills lr/momentum/nesterov with inert values).
+            if (value is not None and self.outer.strategy not in strategies
+                    and value != preset.get(option)):
                 raise ValueError(
                     f"outer.{option} does not apply to outer.strategy "
                     f"'{self.outer.strategy}' (only to {', '.join(strategies)}); remove it")
@@ -357,11 +392,21 @@ def _explain_cli_error(message: str) -> str:
     if not unknown:
         return message.removeprefix("error parsing CLI: ")
     flag = unknown.group(1).split("=", 1)[0]
-    known = [f"--{section}.{field}" for section, spec in TrainConfig.model_fields.items()
-             for field in spec.annotation.model_fields]
+    known = [f"--{path}" for path in field_paths(TrainConfig)]
     close = difflib.get_close_matches(flag, known, n=1)
     hint = f"; did you mean {close[0]}?" if close else "; see --help for every field"
     return f"{flag}: unknown option{hint}"
+
+
+def field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted paths of every leaf field of `model` (sections and sub-sections walked)."""
+    paths = []
+    for name, spec in model.model_fields.items():
+        if isinstance(spec.annotation, type) and issubclass(spec.annotation, BaseModel):
+            paths += field_paths(spec.annotation, f"{prefix}{name}.")
+        else:
+            paths.append(f"{prefix}{name}")
+    return paths
 
 
 def load_config(args: list[str], prog: str = "python -m isoloco_ray.train") -> TrainConfig:
@@ -371,3 +416,17 @@ def load_config(args: list[str], prog: str = "python -m isoloco_ray.train") -> T
         values = read_yaml_config(Path(args[0]))
         args = args[1:]
     return build_config(merge_nested(values, parse_cli_overrides(args, prog)))
+
+
+# What a resumed run must share with the run that wrote its checkpoint: these define the math.
+RESUME_MUST_MATCH = ("model", "data", "scaling", "inner", "outer")
+
+
+def config_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:
+    """Fields (`section.field`) in which a saved resolved config differs from `current` and
+    that a resumed run must not change."""
+    now = current.model_dump(mode="json")
+    differing = [f"{section}.{key}" for section in RESUME_MUST_MATCH for key in now[section]
+                 if saved.get(section, {}).get(key) != now[section][key]]
+    return differing + [f"run.{key}" for key in ("rounds", "seed")
+                        if saved.get("run", {}).get(key) != now["run"][key]]

@@ -11,12 +11,13 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray.config import ConfigError, TrainConfig, load_config
+from isoloco_ray.config import ConfigError, TrainConfig, config_differences, load_config
 from isoloco_ray.data.format import DataError, DatasetMeta, split_files
+from isoloco_ray.wandb_log import RunLogger, check_wandb_available
 
 # Ray's defaults print dozens of lines per run on a laptop; these keep the console to our
 # progress lines. They must be set before Ray starts; the Train ones reach the workers.
@@ -105,6 +106,8 @@ def format_progress(metrics: dict[str, Any], rounds: int) -> str:
         parts.append(f"loss {metrics['loss']:.4f}")
     if "eval_loss" in metrics:
         parts.append(f"eval {metrics['eval_loss']:.4f} (ppl {metrics['eval_perplexity']:.1f})")
+    if metrics.get("dropped_replicas"):
+        parts.append(f"dropped replicas {metrics['dropped_replicas']}")
     if "tokens_per_s" in metrics:
         parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
         parts.append(f"inner {metrics['inner_seconds']:.1f}s comm "
@@ -113,8 +116,10 @@ def format_progress(metrics: dict[str, Any], rounds: int) -> str:
     return " | ".join(parts)
 
 
-def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Event) -> None:
-    """Print and record (metrics.jsonl) each report rank 0 puts on `queue` until `stop`."""
+def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Event,
+                    on_metrics: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """Print and record (metrics.jsonl, and `on_metrics`, e.g. W&B) each report rank 0 puts on
+    `queue` until `stop`."""
     from ray.util.queue import Empty
 
     with log_path.open("a") as log:
@@ -126,6 +131,8 @@ def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Eve
             log.write(json.dumps(metrics) + "\n")
             log.flush()
             print(format_progress(metrics, rounds), flush=True)
+            if on_metrics is not None:
+                on_metrics(metrics)
 
 
 def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any = None,
@@ -146,29 +153,38 @@ def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.model_dump(mode="json"), "data_dir": str(data_dir),
-                           "run_dir": str(run_dir), "progress": progress},
+                           "run_dir": str(run_dir), "progress": progress,
+                           # Test hook: see workers/loop.py kill_once_hook.
+                           "kill_at": os.environ.get("ISOLOCO_RAY_KILL_AT")},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
         run_config=ray.train.RunConfig(
             name=run_dir.name, storage_path=str(run_dir.parent), callbacks=list(callbacks),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             logging_config=ray.train.LoggingConfig(log_level="ERROR")),
         datasets=replica_datasets(split_files(data_dir, "train"), cfg.scaling.replicas),
         dataset_config=replica_data_config(),
     )
 
 
-def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> dict[str, Any]:
-    """Run the TorchTrainer, printing progress lines; returns rank 0's final metrics."""
+def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any] = (),
+        on_metrics: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the TorchTrainer, printing progress lines; returns rank 0's final metrics.
+
+    `callbacks`: Ray Train callbacks (Tune's in a grid); `on_metrics`: called in the driver
+    with every report."""
     from ray.util.queue import Queue
 
     progress = Queue(actor_options={"num_cpus": 0})
     stop = threading.Event()
     follower = threading.Thread(target=follow_progress, daemon=True,
-                                args=(progress, cfg.run.rounds, run_dir / "metrics.jsonl", stop))
+                                args=(progress, cfg.run.rounds, run_dir / "metrics.jsonl", stop,
+                                      on_metrics))
     follower.start()
     try:
-        result = build_trainer(cfg, data_dir, run_dir, progress).fit()
+        result = build_trainer(cfg, data_dir, run_dir, progress, callbacks).fit()
     finally:
         stop.set()
         follower.join()
@@ -198,12 +214,20 @@ def write_summary(cfg: TrainConfig, final: dict[str, Any], data_dir: Path, run_d
     return summary
 
 
+def ray_train_failure() -> type[Exception]:
+    """The exception TorchTrainer.fit raises when the workers failed for good."""
+    from ray.train import TrainingFailedError
+
+    return TrainingFailedError
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 for configuration errors)."""
     args = sys.argv[1:] if argv is None else argv
     try:
         cfg = load_config(args)
         data_dir = validated_data_dir(cfg)
+        check_wandb_available(cfg)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -214,8 +238,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: run.name: {run_dir} already holds a finished run; choose another "
               "run.name", file=sys.stderr)
         return 2
-    run_dir.mkdir(parents=True, exist_ok=True)
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
+    resuming = (run_dir / "config.json").exists()
+    if resuming:
+        differing = config_differences(json.loads((run_dir / "config.json").read_text()), cfg)
+        if differing:
+            print(f"error: run.name: {run_dir} is a run with other settings "
+                  f"({', '.join(differing)}); resume it with the same settings or choose "
+                  "another run.name", file=sys.stderr)
+            return 2
+        print(f"resuming {run_dir} from its latest checkpoint", flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
     print(f"isoloco_ray: {cfg.outer.strategy}, R={cfg.scaling.replicas} on "
@@ -223,8 +256,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.run.rounds} rounds x H={cfg.inner.steps}, data {data_dir}", flush=True)
     started = time.perf_counter()
     start_ray(cfg)
-    final = fit(cfg, data_dir, run_dir)
-    summary = write_summary(cfg, final, data_dir, run_dir, time.perf_counter() - started)
+    with RunLogger(cfg, run_dir) as wandb_run:
+        try:
+            final = fit(cfg, data_dir, run_dir, on_metrics=wandb_run.log)
+        except ray_train_failure() as exc:
+            print(f"error: the run failed after {cfg.run.max_failures} restart(s) "
+                  f"(run.max_failures): {exc}\nIts checkpoints are kept: run the same command "
+                  "again to resume from the latest one.", file=sys.stderr)
+            return 1
+        if "error" in final:
+            print(f"error: the run stopped after round {final['rounds']}: {final['error']}",
+                  file=sys.stderr)
+            return 1
+        summary = write_summary(cfg, final, data_dir, run_dir, time.perf_counter() - started)
+        wandb_run.finish(summary)
     print(f"final eval loss {summary['final_eval_loss']:.4f} (from "
           f"{summary['initial_eval_loss']:.4f}), {summary['tokens']:,} tokens, "
           f"{summary['tokens_per_s']:,.0f} tok/s, {summary['seconds']:.0f}s")

@@ -51,3 +51,34 @@ def test_two_worker_tiny_run_writes_summary_metrics_and_model(ray_cluster, small
     # The same name again is refused rather than overwriting a finished run.
     assert train.main(args) == 2
     assert "already holds a finished run" in capsys.readouterr().err
+
+
+def test_crashes_lose_nothing(ray_cluster, small_dataset, tmp_path, capsys, monkeypatch):
+    """A worker SIGKILLed mid-round: with max_failures=0 the run fails and re-running the same
+    command resumes it; with restarts allowed Ray restarts the workers from the latest
+    checkpoint by itself. Both end bit-identical to an uninterrupted run."""
+    base = ["--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64",
+            "--data.batch_size=4", "--scaling.replicas=2", "--scaling.replicas_per_worker=1",
+            "--inner.steps=2", "--run.rounds=4", "--run.checkpoint_every=1",
+            "--run.eval_every=4", "--run.eval_tokens=512", f"--run.storage_path={tmp_path}"]
+
+    def sha(name):
+        return json.loads((tmp_path / name / "summary.json").read_text())["model_sha256"]
+
+    assert train.main(base + ["--run.name=whole"]) == 0
+
+    # Replica 1 (rank 1) dies after its inner steps of round 2 (0-based), once.
+    monkeypatch.setenv("ISOLOCO_RAY_KILL_AT", f"2:1:{tmp_path / 'killed-once'}")
+    assert train.main(base + ["--run.name=rerun", "--run.max_failures=0"]) == 1
+    assert "run the same command again to resume" in capsys.readouterr().err
+    assert not (tmp_path / "rerun" / "summary.json").exists()
+    assert train.main(base + ["--run.name=rerun", "--run.max_failures=0"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    assert sha("rerun") == sha("whole")
+
+    (tmp_path / "killed-once").unlink()
+    assert train.main(base + ["--run.name=restarted", "--run.max_failures=1"]) == 0
+    assert (tmp_path / "killed-once").exists()  # it did die
+    assert sha("restarted") == sha("whole")
+    rounds = [json.loads(line)["round"] for line in (tmp_path / "restarted" / "metrics.jsonl").open()]
+    assert rounds[-1] == 4 and rounds.count(2) >= 1

@@ -83,6 +83,11 @@ class ReplicaStream:
         self.position = position or StreamPosition()
         self._sequences: Iterator[np.ndarray] = self._open_epoch(skip=self.position.sequences)
 
+    def seek(self, position: StreamPosition) -> None:
+        """Continue from `position` (re-reading the epoch's start: Ray Data cannot seek)."""
+        self.position = StreamPosition(position.epoch, position.sequences)
+        self._sequences = self._open_epoch(skip=position.sequences)
+
     def _open_epoch(self, skip: int) -> Iterator[np.ndarray]:
         def sequences() -> Iterator[np.ndarray]:
             to_skip = skip

@@ -86,3 +86,12 @@ def all_reduce_scalars(values: Sequence[float], device: torch.device) -> list[fl
     if world_size() > 1:
         dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def all_gather_strings(value: str) -> list[str]:
+    """Every rank's `value`, in rank order (small control messages, not outer traffic)."""
+    if world_size() == 1:
+        return [value]
+    values: list[str] = [""] * world_size()
+    dist.all_gather_object(values, value)
+    return values

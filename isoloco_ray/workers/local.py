@@ -1,12 +1,14 @@
 """Run the worker loop without Ray: in this process, or in W local processes joined by gloo.
 
 The same `Trainer` Ray Train runs, fed by pyarrow instead of Ray Data. Tests use it to check the
-math (layouts, outer steps) in seconds; benchmarks use it as the Ray-free reference.
+math (layouts, outer steps, exact resume) in seconds; benchmarks use it as the Ray-free
+reference.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,14 +24,34 @@ from isoloco_ray.data.stream import pyarrow_reader, replica_files
 from isoloco_ray.workers.loop import Metrics, Trainer, WorkerEnv
 
 
+class StopAfterRound(Exception):
+    """Raised by a local run's report after `stop_after` rounds: a simulated interruption."""
+
+
 def local_env(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1,
-              reports: list[Metrics] | None = None) -> WorkerEnv:
-    """A WorkerEnv reading local shards with pyarrow; reports are appended to `reports`."""
+              reports: list[Metrics] | None = None, checkpoints: Path | None = None,
+              restore_from: Path | None = None, stop_after: int | None = None) -> WorkerEnv:
+    """A WorkerEnv reading local shards with pyarrow.
+
+    Reports are appended to `reports`; checkpoints are copied to `checkpoints/round_NNNNNN`
+    (every rank's files into one directory, as Ray Train does); `stop_after` interrupts the
+    run right after that round's report.
+    """
     train_files = split_files(data_dir, "train")
+
+    def report(metrics: Metrics, checkpoint_dir: Path | None) -> None:
+        if reports is not None:
+            reports.append(metrics)
+        if checkpoint_dir is not None and checkpoints is not None:
+            shutil.copytree(checkpoint_dir, checkpoints / f"round_{metrics['round']:06d}",
+                            dirs_exist_ok=True)
+        if stop_after is not None and metrics["round"] == stop_after:
+            raise StopAfterRound(stop_after)
+
     return WorkerEnv(
         rank=rank, world=world, device=torch.device("cpu"),
         read_epoch=lambda r: pyarrow_reader(replica_files(train_files, r, cfg.scaling.replicas)),
-        report=(reports.append if reports is not None else lambda metrics: None),
+        report=report, restore_from=restore_from,
     )
 
 
@@ -49,20 +71,23 @@ def _worker(rank: int, world: int, config: dict[str, Any], data_dir: str, scratc
         dist.destroy_process_group()
 
 
-def run_local(cfg: TrainConfig, data_dir: Path, threads_per_worker: int = 1
+def run_local(cfg: TrainConfig, data_dir: Path, threads_per_worker: int = 1, **env_options: Any
               ) -> tuple[Metrics, dict[str, torch.Tensor]]:
     """Train `cfg` on cfg.scaling.num_workers local processes (gloo); rank 0's summary and
-    final global parameters. With one worker everything runs in this process. Each worker
-    uses `threads_per_worker` intra-op threads (float sums depend on the thread count)."""
+    final global parameters. With one worker everything runs in this process and
+    `env_options` go to `local_env` (checkpoints, restore_from, stop_after, reports). Each
+    worker uses `threads_per_worker` intra-op threads (float sums depend on the thread count)."""
     world = cfg.scaling.num_workers
     if world == 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(threads_per_worker)
         try:
-            trainer = Trainer(cfg, data_dir, local_env(cfg, data_dir))
+            trainer = Trainer(cfg, data_dir, local_env(cfg, data_dir, **env_options))
             return trainer.run(), trainer.global_params
         finally:
             torch.set_num_threads(threads)
+    if env_options:
+        raise ValueError(f"{sorted(env_options)} are supported with one worker only")
     with tempfile.TemporaryDirectory() as scratch:
         mp.start_processes(_worker, nprocs=world, start_method="spawn", join=True,
                            args=(world, cfg.model_dump(mode="json"), str(data_dir), scratch,

@@ -1,11 +1,16 @@
-"""What each training worker runs: R/W replicas' inner steps, the outer sync, eval, metrics.
+"""What each training worker runs: R/W replicas' inner steps, the outer sync, eval, metrics,
+checkpoints.
 
-`run_worker` is plain PyTorch (+ torch.distributed when W > 1) so tests can run it in one
-process or in a gloo group without Ray; `train_loop_per_worker` adapts it to Ray Train.
+`Trainer` is plain PyTorch (+ torch.distributed when W > 1) so tests can run it in one process
+or in a gloo group without Ray; `train_loop_per_worker` adapts it to Ray Train.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import signal
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,16 +20,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from isoloco_ray.config import TrainConfig
+from isoloco_ray.config import TrainConfig, config_differences
 from isoloco_ray.data.format import DatasetMeta, split_files
 from isoloco_ray.data.stream import EpochReader, ReplicaStream
-from isoloco_ray.workers.collectives import TrafficCounter, all_reduce_scalars, all_reduce_sum
+from isoloco_ray.workers import checkpoint
+from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_strings,
+                                             all_reduce_scalars, all_reduce_sum)
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
 from isoloco_ray.workers.model import build_model, count_parameters
 from isoloco_ray.workers.outer_sync import OuterStepStats, OuterSync
 from isoloco_ray.workers.replica import Replica, load_parameters, snapshot_parameters
 
 Metrics = dict[str, Any]
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (diverged replicas, workers disagreeing); the message says why."""
 
 
 @dataclass
@@ -35,17 +45,28 @@ class WorkerEnv:
     world: int
     device: torch.device
     read_epoch: Callable[[int], EpochReader]  # replica index -> its epoch reader
-    report: Callable[[Metrics], None]  # called by every rank once per evaluation/round
+    # Called by every rank once per round with the metrics and, on checkpoint rounds, the
+    # directory holding this rank's checkpoint files (valid only during the call).
+    report: Callable[[Metrics, Path | None], None]
+    restore_from: Path | None = None  # a checkpoint directory to resume from
+    # Test hook: called after each replica's inner steps with (round, replica).
+    after_replica: Callable[[int, int], None] | None = None
 
 
 class Trainer:
-    """One worker's training state; everything listed here is what a checkpoint must hold."""
+    """One worker's training state; everything listed here is what a checkpoint holds."""
 
-    model: nn.Module
+    model: nn.Module  # scratch module the hosted replicas take turns in
     global_params: dict[str, torch.Tensor]  # θ_t, identical on every worker
     replicas: list[Replica]  # the replicas this worker hosts (their AdamW, schedule, stream)
     outer: OuterSync  # outer optimizer (momentum buffers)
     round: int  # outer rounds completed
+    initial_eval_loss: float | None
+    last_eval_loss: float | None
+    train_seconds: float
+    first_round_seconds: float
+    bytes_total: int  # outer bytes this rank received so far
+    bad_rounds: int  # consecutive rounds skipped because every replica diverged
 
     def __init__(self, cfg: TrainConfig, data_dir: Path, env: WorkerEnv) -> None:
         self.cfg = cfg
@@ -64,8 +85,57 @@ class Trainer:
         ]
         self.outer = OuterSync(cfg.outer, cfg.scaling.replicas, cfg.run.seed)
         self.round = 0
+        self.initial_eval_loss = self.last_eval_loss = None
+        self.train_seconds = self.first_round_seconds = 0.0
+        self.bytes_total = 0
+        self.bad_rounds = 0
         self.eval_set = eval_sequences(split_files(data_dir, "valid"), cfg.data.seq_len,
                                        cfg.run.eval_tokens)
+        if env.restore_from is not None:
+            self.restore(env.restore_from)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, directory: Path) -> None:
+        """Write this rank's part of a checkpoint of the state after `self.round` rounds."""
+        if self.env.rank == 0:
+            counters = {key: getattr(self, key) for key in (
+                "round", "initial_eval_loss", "last_eval_loss", "train_seconds",
+                "first_round_seconds", "bytes_total", "bad_rounds")}
+            checkpoint.save_shared(directory, self.global_params, self.outer.optimizer.state_dict(),
+                                   {**counters, "config": self.cfg.model_dump(mode="json")})
+        for replica in self.replicas:
+            checkpoint.save_replica(directory, replica.index, replica.state_dict())
+
+    def restore(self, directory: Path) -> None:
+        """Continue from a checkpoint exactly where the saved run stood."""
+        params, outer_state, state = checkpoint.load_shared(directory)
+        differing = config_differences(state.pop("config"), self.cfg)
+        if differing:
+            raise ValueError(
+                f"the checkpoint in {directory} was written with different settings: "
+                f"{', '.join(differing)}; resume with the same configuration or use a new "
+                "run.name")
+        # In the model's order (safetensors returns names sorted): merges visit tensors in it.
+        self.global_params = {name: params[name].to(self.env.device)
+                              for name in self.global_params}
+        self.outer.optimizer.load_state_dict(outer_state)
+        for key, value in state.items():
+            setattr(self, key, value)
+        for replica in self.replicas:
+            replica.load_state_dict(checkpoint.load_replica(directory, replica.index))
+
+    def check_workers_agree(self) -> str:
+        """The global parameters' hash, after checking every worker holds the same."""
+        digest = checkpoint.parameters_sha256(self.global_params)
+        hashes = all_gather_strings(digest)
+        if len(set(hashes)) > 1:
+            raise TrainingStopped(
+                f"the workers' global parameters differ after round {self.round} "
+                f"(hashes by rank: {hashes}); the outer sync is not deterministic here")
+        return digest
+
+    # -- one round -------------------------------------------------------------------------------
 
     def evaluate(self) -> float:
         """Validation loss of the global parameters."""
@@ -74,17 +144,26 @@ class Trainer:
                         self.cfg.data.micro_batch_size, self.env.device)
 
     def diloco_round(self) -> tuple[float, float, OuterStepStats]:
-        """H inner steps on every hosted replica, then the outer step. (loss, inner s, stats)."""
+        """H inner steps on every hosted replica, then the outer step.
+
+        Returns (sum of the finite replicas' mean losses on this rank, inner seconds, stats).
+        """
         started = time.perf_counter()
-        deltas, losses = {}, []
+        deltas, losses = {}, {}
         for replica in self.replicas:
-            deltas[replica.index], loss = replica.run_inner_steps(
+            deltas[replica.index], losses[replica.index] = replica.run_inner_steps(
                 self.model, self.global_params, self.cfg.inner.steps,
                 self.cfg.data.micro_batch_size, self.env.device)
-            losses.append(loss)
+            if self.env.after_replica is not None:
+                self.env.after_replica(self.round, replica.index)
         inner_seconds = time.perf_counter() - started
-        stats = self.outer.step(self.global_params, deltas, self.round)
-        return sum(losses), inner_seconds, stats
+        diverged = [r for r, loss in losses.items() if not math.isfinite(loss)]
+        stats = self.outer.step(self.global_params, deltas, self.round, diverged)
+        for replica in self.replicas:
+            if replica.index in stats.dropped:
+                replica.reset_optimizer()
+        return sum(loss for r, loss in losses.items() if r not in stats.dropped), \
+            inner_seconds, stats
 
     def data_parallel_round(self) -> tuple[float, float, OuterStepStats]:
         """adamw_ddp: H data-parallel AdamW steps on the global model, gradients averaged over
@@ -117,55 +196,85 @@ class Trainer:
         stats.bytes_received = traffic.take()
         return loss_sum, inner_seconds, stats
 
+
     def run(self) -> Metrics:
-        """Train for cfg.run.rounds outer rounds; returns the final metrics (on every rank)."""
+        """Train until cfg.run.rounds rounds are done; returns the final metrics (every rank),
+        or {"error": why, "rounds": done} when the run had to stop (TrainingStopped)."""
+        env = self.env
+        if self.initial_eval_loss is None:
+            self.initial_eval_loss = self.last_eval_loss = self.evaluate()
+            env.report({"round": 0, "tokens": 0, "eval_loss": self.initial_eval_loss,
+                        "eval_perplexity": perplexity(self.initial_eval_loss)}, None)
+        try:
+            self._train_rounds()
+        except TrainingStopped as stop:
+            # Returned, not raised: a retry from the last checkpoint would only repeat it.
+            return {"error": str(stop), "rounds": self.round}
+        load_parameters(self.model, self.global_params)
+        return self.summary()
+
+    def _train_rounds(self) -> None:
         cfg, env = self.cfg, self.env
-        tokens_per_round = cfg.tokens_per_round
-        initial_eval = self.evaluate()
-        env.report({"round": 0, "tokens": 0, "eval_loss": initial_eval,
-                    "eval_perplexity": perplexity(initial_eval)})
-        eval_loss = initial_eval
-        train_seconds, first_round_seconds, bytes_total = 0.0, 0.0, 0
         run_round = (self.data_parallel_round if cfg.outer.strategy == "adamw_ddp"
                      else self.diloco_round)
         while self.round < cfg.run.rounds:
             started = time.perf_counter()
             loss_sum, inner_seconds, stats = run_round()
             self.round += 1
+            self.bad_rounds = self.bad_rounds + 1 if stats.skipped else 0
+            if self.bad_rounds >= cfg.run.max_bad_rounds:
+                raise TrainingStopped(
+                    f"every replica diverged (non-finite loss or pseudo-gradient) in "
+                    f"{self.bad_rounds} consecutive rounds, up to round {self.round}; the last "
+                    "checkpoint holds the last good state: lower inner.lr or outer.lr and "
+                    "resume from it with a new run, or raise run.max_bad_rounds")
             seconds = time.perf_counter() - started
-            train_seconds += seconds
+            self.train_seconds += seconds
             if self.round == 1:
-                first_round_seconds = seconds
-            bytes_total += stats.bytes_received
+                self.first_round_seconds = seconds
+            self.bytes_total += stats.bytes_received
+            good = cfg.scaling.replicas - len(stats.dropped)
             (loss_sum,) = all_reduce_scalars([loss_sum], env.device)
             metrics: Metrics = {
                 "round": self.round,
-                "tokens": self.round * tokens_per_round,
-                "loss": loss_sum / cfg.scaling.replicas,
-                "tokens_per_s": tokens_per_round / seconds,
+                "tokens": self.round * cfg.tokens_per_round,
+                "loss": loss_sum / good if good else math.nan,
+                "tokens_per_s": cfg.tokens_per_round / seconds,
                 "round_seconds": seconds,
                 "inner_seconds": inner_seconds,
                 "outer_comm_seconds": stats.comm_seconds,
                 "outer_merge_seconds": stats.merge_seconds,
                 "outer_bytes_received": stats.bytes_received,
+                "dropped_replicas": stats.dropped,
+                "state_hash": self.check_workers_agree(),
             }
             if self.round % cfg.run.eval_every == 0 or self.round == cfg.run.rounds:
-                eval_loss = self.evaluate()
-                metrics.update(eval_loss=eval_loss, eval_perplexity=perplexity(eval_loss))
-            env.report(metrics)
-        load_parameters(self.model, self.global_params)
+                self.last_eval_loss = self.evaluate()
+                metrics.update(eval_loss=self.last_eval_loss,
+                               eval_perplexity=perplexity(self.last_eval_loss))
+            if self.round % cfg.run.checkpoint_every == 0 or self.round == cfg.run.rounds:
+                with tempfile.TemporaryDirectory() as directory:
+                    self.save(Path(directory))
+                    env.report(metrics, Path(directory))
+            else:
+                env.report(metrics, None)
+
+    def summary(self) -> Metrics:
+        """The run's final figures (summary.json, less what only the driver knows)."""
+        cfg = self.cfg
         return {
             "rounds": self.round,
-            "tokens": self.round * tokens_per_round,
+            "tokens": self.round * cfg.tokens_per_round,
             "num_parameters": count_parameters(self.model),
-            "initial_eval_loss": initial_eval,
-            "final_eval_loss": eval_loss,
-            "final_eval_perplexity": perplexity(eval_loss),
-            "tokens_per_s": steady_tokens_per_s(self.round, tokens_per_round, train_seconds,
-                                                first_round_seconds),
-            "train_seconds": train_seconds,
-            "first_round_seconds": first_round_seconds,
-            "outer_bytes_per_round": bytes_total / max(self.round, 1),
+            "initial_eval_loss": self.initial_eval_loss,
+            "final_eval_loss": self.last_eval_loss,
+            "final_eval_perplexity": perplexity(self.last_eval_loss),
+            "tokens_per_s": steady_tokens_per_s(self.round, cfg.tokens_per_round,
+                                                self.train_seconds, self.first_round_seconds),
+            "train_seconds": self.train_seconds,
+            "first_round_seconds": self.first_round_seconds,
+            "outer_bytes_per_round": self.bytes_total / max(self.round, 1),
+            "model_sha256": checkpoint.parameters_sha256(self.global_params),
         }
 
 
@@ -190,8 +299,28 @@ def export_model(model: nn.Module, data_dir: Path, out_dir: Path) -> None:
                                   else meta.tokenizer).save_pretrained(out_dir)
 
 
+def kill_once_hook(spec: str | None) -> Callable[[int, int], None] | None:
+    """Fault injection for tests: "ROUND:REPLICA:MARKER" SIGKILLs this worker after REPLICA's
+    inner steps in round ROUND (0-based, i.e. mid-round), once: MARKER is created first and
+    disarms the hook for the restarted workers."""
+    if not spec:
+        return None
+    round_text, replica_text, marker = spec.split(":", 2)
+
+    def hook(round_index: int, replica: int) -> None:
+        if (round_index, replica) == (int(round_text), int(replica_text)):
+            try:
+                Path(marker).touch(exist_ok=False)
+            except FileExistsError:
+                return
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
-    """Ray Train entry point: builds the `WorkerEnv` from Ray's context and runs the trainer."""
+    """Ray Train entry point: builds the `WorkerEnv` from Ray's context, resumes from Ray's
+    latest checkpoint if there is one, runs the trainer, and exports the model (rank 0)."""
     import ray.train
     import ray.train.torch
 
@@ -203,21 +332,34 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     context = ray.train.get_context()
     rank = context.get_world_rank()
 
-    def report(metrics: Metrics) -> None:
+    def report(metrics: Metrics, checkpoint_dir: Path | None) -> None:
         if rank == 0 and progress is not None:
             progress.put(metrics)
-        ray.train.report(metrics)
+        saved = None if checkpoint_dir is None else ray.train.Checkpoint.from_directory(
+            checkpoint_dir)
+        ray.train.report(metrics, checkpoint=saved)
 
-    env = WorkerEnv(
-        rank=rank,
-        world=context.get_world_size(),
-        device=ray.train.torch.get_device(),
-        read_epoch=lambda r: ray_data_reader(ray.train.get_dataset_shard(dataset_name(r))),
-        report=report,
-    )
-    trainer = Trainer(cfg, data_dir, env)
+    def build(restore_from: Path | None) -> Trainer:
+        env = WorkerEnv(
+            rank=rank,
+            world=context.get_world_size(),
+            device=ray.train.torch.get_device(),
+            read_epoch=lambda r: ray_data_reader(ray.train.get_dataset_shard(dataset_name(r))),
+            report=report,
+            restore_from=restore_from,
+            after_replica=kill_once_hook(loop_config.get("kill_at")),
+        )
+        return Trainer(cfg, data_dir, env)
+
+    latest = ray.train.get_checkpoint()
+    if latest is None:
+        trainer = build(None)
+    else:
+        with latest.as_directory() as directory:  # restored in full before training goes on
+            trainer = build(Path(directory))
     summary = trainer.run()
-    if rank == 0:
+    if rank != 0:
+        return None
+    if "error" not in summary:
         export_model(trainer.model, data_dir, run_dir / "model")
-        return summary
-    return None
+    return summary

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from isoloco_ray.config import InnerConfig
-from isoloco_ray.data.stream import ReplicaStream
+from isoloco_ray.data.stream import ReplicaStream, StreamPosition
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_fraction: float) -> float:
@@ -90,6 +91,23 @@ class Replica:
             delta = {name: global_params[name] - p.detach().float()
                      for name, p in model.named_parameters()}
         return delta, sum(losses) / len(losses)
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW state, LR schedule and stream position: tensors and plain values only."""
+        return {"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
+                "stream": {"epoch": self.stream.position.epoch,
+                           "sequences": self.stream.position.sequences}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`; the stream continues with its next unseen batch."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.stream.seek(StreamPosition(**state["stream"]))
+
+    def reset_optimizer(self) -> None:
+        """Forget AdamW's moments (after a diverged round left them NaN); the LR schedule and
+        the stream go on."""
+        self.optimizer.state.clear()
 
 
 @torch.no_grad()
