@@ -238,6 +238,9 @@ class RunConfig(_Section):
                               "checkpoint after a crash (-1: unlimited)")
     max_bad_rounds: int = Field(3, gt=0, description="stop after this many consecutive rounds "
                                 "in which every replica diverged")
+    autocast: Literal["auto", "bf16", "off"] = Field(
+        "auto", description="bf16 autocast of forward passes: auto = on GPU only")
+    compile: bool = Field(False, description="torch.compile the model's forward")
     num_cpus: int | None = Field(None, gt=0, description="logical CPUs of a local Ray cluster "
                                  "(default: 2x the cores, at least 4)")
     wandb: WandbConfig = WandbConfig()

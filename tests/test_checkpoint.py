@@ -113,8 +113,8 @@ def poison_replicas(monkeypatch, bad: set[int]):
     """Make the given replicas' inner steps end in NaN parameters and a NaN loss."""
     original = Replica.run_inner_steps
 
-    def run_inner_steps(self, model, global_params, *args, **kwargs):
-        delta, loss = original(self, model, global_params, *args, **kwargs)
+    def run_inner_steps(self, *args, **kwargs):
+        delta, loss = original(self, *args, **kwargs)
         if self.index in bad:
             delta = {k: torch.full_like(v, math.nan) for k, v in delta.items()}
             loss = math.nan

@@ -12,6 +12,7 @@ from isoloco_ray import train
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import split_files
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate
+from isoloco_ray.workers.model import Runtime
 
 pytestmark = pytest.mark.ray
 
@@ -45,7 +46,8 @@ def test_two_worker_tiny_run_writes_summary_metrics_and_model(ray_cluster, small
     assert AutoTokenizer.from_pretrained(model_dir)("to be or not").input_ids
     assert sum(p.numel() for p in model.parameters()) == summary["num_parameters"]
     sequences = eval_sequences(split_files(small_dataset, "valid"), 64, 2048)
-    loss = evaluate(model, sequences, rank=0, world=1, batch_size=4, device=torch.device("cpu"))
+    runtime = Runtime(device=torch.device("cpu"), bf16=False, forward=model)
+    loss = evaluate(runtime, sequences, rank=0, world=1, batch_size=4)
     assert loss == pytest.approx(summary["final_eval_loss"], abs=1e-4)
 
     # The same name again is refused rather than overwriting a finished run.

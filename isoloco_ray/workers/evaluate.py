@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from isoloco_ray.data.format import read_blocks
 from isoloco_ray.workers.collectives import all_reduce_scalars
+from isoloco_ray.workers.model import Runtime
 
 
 def eval_sequences(valid_files: Sequence[Path], seq_len: int, max_tokens: int) -> torch.Tensor:
@@ -35,22 +35,25 @@ def eval_sequences(valid_files: Sequence[Path], seq_len: int, max_tokens: int) -
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, sequences: torch.Tensor, rank: int, world: int,
-             batch_size: int, device: torch.device) -> float:
-    """Mean next-token NLL (nats/token) of `model` over `sequences`, shared among the ranks."""
+def evaluate(runtime: Runtime, sequences: torch.Tensor, rank: int, world: int,
+             batch_size: int) -> float:
+    """Mean next-token NLL (nats/token) of the runtime's model over `sequences`, shared among
+    the ranks."""
+    model = runtime.forward
     model.eval()
-    nll_sum, tokens = 0.0, 0
-    mine = sequences[rank::world]
-    for batch in mine.split(batch_size):
-        batch = batch.to(device, non_blocking=True)
-        logits = model(input_ids=batch).logits[:, :-1].float()
+    nll_sum = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    tokens = 0
+    for batch in sequences[rank::world].split(batch_size):
+        batch = runtime.to_device(batch)
+        with runtime.autocast():
+            logits = model(input_ids=batch).logits[:, :-1]
         targets = batch[:, 1:]
-        nll_sum += F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                   reduction="sum").item()
+        nll_sum += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+                                   targets.reshape(-1), reduction="sum")
         tokens += targets.numel()
-    nll_sum, tokens = all_reduce_scalars([nll_sum, tokens], device)
+    nll_total, tokens = all_reduce_scalars([nll_sum.item(), tokens], runtime.device)
     model.train()
-    return nll_sum / tokens
+    return nll_total / tokens
 
 
 def perplexity(loss: float) -> float:

@@ -27,9 +27,10 @@ from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_strings,
                                              all_reduce_scalars, all_reduce_sum)
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
-from isoloco_ray.workers.model import build_model, count_parameters
+from isoloco_ray.workers.model import Runtime, build_model, count_parameters
 from isoloco_ray.workers.outer_sync import OuterStepStats, OuterSync
-from isoloco_ray.workers.replica import Replica, load_parameters, snapshot_parameters
+from isoloco_ray.workers.replica import (Replica, accumulate_gradients, load_parameters,
+                                         snapshot_parameters)
 
 Metrics = dict[str, Any]
 
@@ -73,6 +74,7 @@ class Trainer:
         self.env = env
         meta = DatasetMeta.load(data_dir)
         self.model = build_model(cfg.model, meta.vocab_size, cfg.run.seed).to(env.device)
+        self.runtime = Runtime.create(self.model, env.device, cfg.run.autocast, cfg.run.compile)
         self.global_params = snapshot_parameters(self.model)
         total_steps = cfg.run.rounds * cfg.inner.steps
         per_worker = cfg.scaling.replicas_per_worker
@@ -140,8 +142,8 @@ class Trainer:
     def evaluate(self) -> float:
         """Validation loss of the global parameters."""
         load_parameters(self.model, self.global_params)
-        return evaluate(self.model, self.eval_set, self.env.rank, self.env.world,
-                        self.cfg.data.micro_batch_size, self.env.device)
+        return evaluate(self.runtime, self.eval_set, self.env.rank, self.env.world,
+                        self.cfg.data.micro_batch_size)
 
     def diloco_round(self) -> tuple[float, float, OuterStepStats]:
         """H inner steps on every hosted replica, then the outer step.
@@ -152,8 +154,8 @@ class Trainer:
         deltas, losses = {}, {}
         for replica in self.replicas:
             deltas[replica.index], losses[replica.index] = replica.run_inner_steps(
-                self.model, self.global_params, self.cfg.inner.steps,
-                self.cfg.data.micro_batch_size, self.env.device)
+                self.model, self.runtime, self.global_params, self.cfg.inner.steps,
+                self.cfg.data.micro_batch_size)
             if self.env.after_replica is not None:
                 self.env.after_replica(self.round, replica.index)
         inner_seconds = time.perf_counter() - started
@@ -172,16 +174,13 @@ class Trainer:
         optimizer, schedule = self.replicas[0].optimizer, self.replicas[0].schedule
         params = list(self.model.parameters())
         load_parameters(self.model, self.global_params)
-        started, loss_sum = time.perf_counter(), 0.0
+        started = time.perf_counter()
+        loss_sum = torch.zeros((), device=self.env.device)
         for _ in range(self.cfg.inner.steps):
             optimizer.zero_grad(set_to_none=True)
-            for replica in self.replicas:
-                batch = replica.stream.next_batch().to(self.env.device, non_blocking=True)
-                for micro in batch.split(self.cfg.data.micro_batch_size):
-                    share = len(micro) / len(batch)
-                    loss = self.model(input_ids=micro, labels=micro).loss
-                    (loss * share).backward()
-                    loss_sum += loss.item() * share / self.cfg.inner.steps
+            for replica in self.replicas:  # gradients of the hosted batches add up in .grad
+                loss_sum += accumulate_gradients(self.runtime, replica.stream.next_batch(),
+                                                 self.cfg.data.micro_batch_size)
             computed = time.perf_counter()
             all_reduce_sum([p.grad for p in params], traffic)
             stats.comm_seconds += time.perf_counter() - computed
@@ -194,8 +193,7 @@ class Trainer:
         inner_seconds = time.perf_counter() - started - stats.comm_seconds
         self.global_params = snapshot_parameters(self.model)
         stats.bytes_received = traffic.take()
-        return loss_sum, inner_seconds, stats
-
+        return loss_sum.item() / self.cfg.inner.steps, inner_seconds, stats
 
     def run(self) -> Metrics:
         """Train until cfg.run.rounds rounds are done; returns the final metrics (every rank),

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from isoloco_ray.config import ModelConfig
@@ -34,3 +38,31 @@ def build_model(model: ModelConfig, vocab_size: int, seed: int) -> LlamaForCausa
 def count_parameters(net: torch.nn.Module) -> int:
     """Number of trainable parameters."""
     return sum(p.numel() for p in net.parameters() if p.requires_grad)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How a worker runs its model: where, in which precision, through which forward."""
+
+    device: torch.device
+    bf16: bool  # bf16 autocast of forward passes (parameters and optimizer stay float32)
+    forward: nn.Module  # the model, or its torch.compile'd wrapper (same parameters)
+
+    @classmethod
+    def create(cls, model: nn.Module, device: torch.device, autocast: str, compile: bool
+               ) -> Runtime:
+        """`autocast`: "auto" (bf16 on GPU, off on CPU, where it is no faster), "bf16", "off"."""
+        bf16 = autocast == "bf16" or (autocast == "auto" and device.type == "cuda")
+        return cls(device, bf16, torch.compile(model) if compile else model)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision context forward passes run in."""
+        if self.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        """A host batch on the device; pinned and asynchronous on GPU."""
+        if self.device.type == "cuda":
+            return batch.pin_memory().to(self.device, non_blocking=True)
+        return batch.to(self.device)

@@ -17,6 +17,7 @@ from torch import nn
 
 from isoloco_ray.config import InnerConfig
 from isoloco_ray.data.stream import ReplicaStream, StreamPosition
+from isoloco_ray.workers.model import Runtime
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_fraction: float) -> float:
@@ -39,18 +40,21 @@ def make_inner_optimizer(model: nn.Module, inner: InnerConfig, total_steps: int,
     return optimizer, schedule
 
 
-def accumulate_gradients(model: nn.Module, batch: torch.Tensor, micro_batch_size: int) -> float:
-    """Forward/backward `batch` in micro-batches; gradients of the batch's mean loss.
+def accumulate_gradients(runtime: Runtime, batch: torch.Tensor, micro_batch_size: int
+                         ) -> torch.Tensor:
+    """Forward/backward `batch` in micro-batches, adding the gradients of the batch's mean loss
+    to `.grad`; returns that mean loss as a device tensor (no host sync in the inner loop).
 
     Every micro-batch has the same number of tokens, so the mean of micro-batch means is the
-    batch mean. Returns that mean loss.
+    batch mean.
     """
-    micro_batches = batch.split(micro_batch_size)
-    total = 0.0
+    micro_batches = runtime.to_device(batch).split(micro_batch_size)
+    total = torch.zeros((), device=runtime.device)
     for micro in micro_batches:
-        loss = model(input_ids=micro, labels=micro).loss / len(micro_batches)
+        with runtime.autocast():
+            loss = runtime.forward(input_ids=micro, labels=micro).loss / len(micro_batches)
         loss.backward()
-        total += loss.item()
+        total += loss.detach().float()
     return total
 
 
@@ -69,9 +73,9 @@ class Replica:
         self.stream = stream
         self._inner = inner
 
-    def run_inner_steps(self, model: nn.Module, global_params: Mapping[str, torch.Tensor],
-                        steps: int, micro_batch_size: int, device: torch.device
-                        ) -> tuple[dict[str, torch.Tensor], float]:
+    def run_inner_steps(self, model: nn.Module, runtime: Runtime,
+                        global_params: Mapping[str, torch.Tensor], steps: int,
+                        micro_batch_size: int) -> tuple[dict[str, torch.Tensor], float]:
         """Start from the global parameters, take `steps` AdamW steps, return (Δ_r, mean loss).
 
         Δ_r = θ_global − θ_r (SPEC.md's pseudo-gradient), in float32.
@@ -80,9 +84,9 @@ class Replica:
         model.train()
         losses = []
         for _ in range(steps):
-            batch = self.stream.next_batch().to(device, non_blocking=True)
             self.optimizer.zero_grad(set_to_none=True)
-            losses.append(accumulate_gradients(model, batch, micro_batch_size))
+            losses.append(accumulate_gradients(runtime, self.stream.next_batch(),
+                                               micro_batch_size))
             if self._inner.clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), self._inner.clip)
             self.optimizer.step()
@@ -90,7 +94,7 @@ class Replica:
         with torch.no_grad():
             delta = {name: global_params[name] - p.detach().float()
                      for name, p in model.named_parameters()}
-        return delta, sum(losses) / len(losses)
+        return delta, torch.stack(losses).mean().item()
 
     def state_dict(self) -> dict[str, Any]:
         """AdamW state, LR schedule and stream position: tensors and plain values only."""
