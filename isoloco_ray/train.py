@@ -46,32 +46,14 @@ def resolve_data_dir(cfg: TrainConfig) -> Path:
 
 
 def check_against_data(cfg: TrainConfig, meta: DatasetMeta, data_dir: Path) -> None:
-    """Everything about the config that depends on the data; raises ConfigError."""
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < meta.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the data's tokenizer "
-            f"vocabulary ({meta.vocab_size}, {data_dir / 'meta.json'}); leave it unset")
-    if cfg.data.seq_len > meta.block_len:
-        raise ConfigError(
-            f"data.seq_len ({cfg.data.seq_len}) is longer than the data's blocks "
-            f"({meta.block_len} tokens); lower data.seq_len or prepare longer blocks")
-    for split in ("train", "valid"):
-        if split not in meta.splits or not meta.splits[split].shards:
-            raise ConfigError(f"data.path: {data_dir} has no '{split}' split")
-    train_shards = len(meta.splits["train"].shards)
-    if train_shards < cfg.scaling.replicas:
-        raise ConfigError(
-            f"scaling.replicas ({cfg.scaling.replicas}) exceeds the train shards of "
-            f"{data_dir} ({train_shards}); every replica reads its own shards: use at most "
-            f"{train_shards} replicas or prepare smaller shards")
-    per_replica_blocks = meta.splits["train"].blocks // cfg.scaling.replicas
-    needed = cfg.run.rounds * cfg.inner.steps * cfg.data.batch_size
-    available = per_replica_blocks * (meta.block_len // cfg.data.seq_len)
-    if needed > available:
-        raise ConfigError(
-            f"run.rounds ({cfg.run.rounds}) needs {needed} sequences per replica but "
-            f"{data_dir} holds about {available} per replica at data.seq_len "
-            f"{cfg.data.seq_len}; lower run.rounds / run.token_budget or use more data")
+    """Everything about the config that depends on the data (data/checks.py); raises
+    ConfigError, or DataError for a broken dataset."""
+    from isoloco_ray.data.checks import check_training_data
+
+    check_training_data(
+        data_dir, meta, model_vocab_size=cfg.model.vocab_size, seq_len=cfg.data.seq_len,
+        replicas=cfg.scaling.replicas, rounds=cfg.run.rounds,
+        sequences_per_replica=cfg.run.rounds * cfg.inner.steps * cfg.data.batch_size)
 
 
 def run_name(cfg: TrainConfig) -> str:

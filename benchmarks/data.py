@@ -1,0 +1,116 @@
+"""Data path throughput and memory: prepare (tokens/s, by --workers) and the replica stream
+(tokens/s into one worker), with the peak RSS of each for synthetic corpora of growing size.
+
+    python benchmarks/data.py --tokens 10e6 100e6 --workers 1 2
+
+Each measurement runs in a fresh subprocess so its peak RSS (its own plus its tokenizing
+processes') is its own. Training consumption to compare against: the demo model on 2 CPU cores
+takes ~5.6 k tokens/s (shared/DATA.md); a 178M model on one H100 at ~40% MFU of 989 bf16
+TFLOP/s takes ~370 k tokens/s (6 * 178e6 FLOP per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TRAINING_TOKENS_PER_S = {"demo (2.9M, 2 CPU cores)": 5.6e3, "178M (1 H100, 40% MFU)": 3.7e5}
+WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at "
+         "which but have an they you were her she there been one all we their has would when if "
+         "river stone light house garden winter letter morning window silver").split()
+
+
+def synthetic_documents(tokens: int, seed: int = 0):  # type: ignore[no-untyped-def]
+    """Documents of ~200 words until about ``tokens`` words (~tokens for this BPE), generated
+    on the fly so the corpus itself never sits in memory."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    words = np.array(WORDS)
+    made = 0
+    while made < tokens:
+        n = int(rng.integers(50, 350))
+        yield " ".join(words[rng.integers(0, len(words), n)]) + "."
+        made += n + 1
+
+
+def _peak_rss_mb() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, children) / 1024
+
+
+def child_prepare(tokens: int, workers: int, out: str) -> dict:
+    from isoloco_ray.data import prepare
+    from isoloco_ray.data.sources import TextSource
+
+    source = TextSource(f"synthetic {tokens}", lambda: synthetic_documents(tokens))
+    settings = prepare.CorpusSettings(source=source.name, tokenizer="train-bpe:4096",
+                                      block_len=2048, shard_blocks=(1 << 22) // 2048,
+                                      bpe_chars=5_000_000)
+    start = time.perf_counter()
+    meta = prepare.prepare_corpus(source, out, settings, workers=workers)
+    seconds = time.perf_counter() - start
+    total = sum(meta.split(s).tokens for s in ("train", "valid", "test"))
+    return {"tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,
+            "peak_rss_mb": _peak_rss_mb()}
+
+
+def child_stream(data_dir: str) -> dict:
+    from isoloco_ray.data.format import split_files
+    from isoloco_ray.data.stream import ReplicaStream, pyarrow_reader
+
+    files = split_files(data_dir, "train")
+    stream = ReplicaStream(pyarrow_reader(files), seq_len=2048, batch_size=8)
+    batches = max(1, len(files) * ((1 << 22) // 2048) // 8)  # one epoch
+    start = time.perf_counter()
+    n = 0
+    for _ in range(batches):
+        n += stream.next_batch().numel()
+    seconds = time.perf_counter() - start
+    return {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds,
+            "peak_rss_mb": _peak_rss_mb()}
+
+
+def run_child(*args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", *args], check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=float, nargs="+", default=[10e6])
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        result = (child_prepare(int(rest[0]), int(rest[1]), rest[2]) if kind == "prepare"
+                  else child_stream(rest[0]))
+        print(json.dumps(result))
+        return
+    print("| what | corpus tokens | workers | tokens/s | seconds | peak RSS MB |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for tokens in args.tokens:
+            for workers in args.workers:
+                out = str(Path(tmp) / f"ds-{int(tokens)}-{workers}")
+                r = run_child("prepare", str(int(tokens)), str(workers), out)
+                print(f"| prepare | {tokens:.0e} | {workers} | {r['tokens_per_s']:,.0f} | "
+                      f"{r['seconds']:.1f} | {r['peak_rss_mb']:.0f} |", flush=True)
+            r = run_child("stream", out)
+            print(f"| stream (pyarrow, 1 replica) | {tokens:.0e} | - | {r['tokens_per_s']:,.0f} "
+                  f"| {r['seconds']:.1f} | {r['peak_rss_mb']:.0f} |", flush=True)
+    for name, rate in TRAINING_TOKENS_PER_S.items():
+        print(f"training consumes: {name}: {rate:,.0f} tokens/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Checks of a prepared dataset against a training run, made before any Ray process starts.
+
+Cheap checks run every time (meta.json and the parquet footers only): the model's vocabulary
+against meta.json, seq_len against block_len, the train and valid splits present, a train shard
+per replica, enough tokens for the run's budget, every shard present with its recorded rows and
+the ``tokens: list<int32>`` column type.
+
+The full scan reads every byte: each shard's sha256 against meta.json (corrupt or truncated
+files) and its largest token id (ids >= the model's vocabulary would index past the embedding).
+On a 10 B-token dataset that takes minutes, so it runs once per dataset: its result is stamped in
+``DIR/.verified.json``, keyed by the sha256 of meta.json, and later runs read the stamp (a
+dataset prepared again gets a new meta.json, so a new scan). Set ``ISOLOCO_RAY_VERIFY_DATA`` to
+``always`` to scan on every run, or ``never`` to skip the scan (footers are still checked).
+A read-only dataset directory is scanned on every run (the stamp cannot be written).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from isoloco_ray.config import ConfigError
+from isoloco_ray.data.format import (
+    META_FILE, SPLITS, TOKEN_COLUMN, DataError, DatasetMeta, _shard_problems, sha256_file,
+)
+
+VERIFY_ENV = "ISOLOCO_RAY_VERIFY_DATA"
+STAMP_FILE = ".verified.json"
+
+
+def check_training_data(data_dir: Path, meta: DatasetMeta, *, model_vocab_size: int | None,
+                        seq_len: int, replicas: int, sequences_per_replica: int,
+                        rounds: int | None = None) -> None:
+    """Every check of the module docstring; raises ConfigError (the config does not fit the
+    data) or DataError (the data itself is broken), each naming the field or file."""
+    vocab = model_vocab_size if model_vocab_size is not None else meta.vocab_size
+    check_vocab(data_dir, meta, model_vocab_size)
+    check_layout(data_dir, meta, seq_len, replicas, sequences_per_replica, rounds)
+    check_shards(data_dir, meta)
+    max_id = scanned_max_token_id(data_dir, meta)
+    if max_id is not None and max_id >= vocab:
+        what = "model.vocab_size" if model_vocab_size is not None else "meta.json vocab_size"
+        raise DataError(f"{data_dir}: token id {max_id} >= {what} ({vocab}): the data was not "
+                        f"made with this vocabulary; see {data_dir / STAMP_FILE}")
+
+
+def check_vocab(data_dir: Path, meta: DatasetMeta, model_vocab_size: int | None) -> None:
+    """The model's embedding must cover the tokenizer's vocabulary."""
+    if model_vocab_size is not None and model_vocab_size < meta.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({model_vocab_size}) is smaller than the data's tokenizer "
+            f"vocabulary ({meta.vocab_size}, {data_dir / META_FILE}); leave it unset")
+
+
+def check_layout(data_dir: Path, meta: DatasetMeta, seq_len: int, replicas: int,
+                 sequences_per_replica: int, rounds: int | None = None) -> None:
+    """Block length, the splits training reads, one train shard per replica, enough tokens."""
+    if seq_len > meta.block_len:
+        raise ConfigError(
+            f"data.seq_len ({seq_len}) is longer than the data's blocks "
+            f"({meta.block_len} tokens); lower data.seq_len or prepare longer blocks")
+    for split in ("train", "valid"):
+        if split not in meta.splits or not meta.splits[split].shards:
+            raise ConfigError(f"data.path: {data_dir} has no '{split}' split")
+    train_shards = len(meta.splits["train"].shards)
+    if train_shards < replicas:
+        raise ConfigError(
+            f"scaling.replicas ({replicas}) exceeds the train shards of "
+            f"{data_dir} ({train_shards}); every replica reads its own shards: use at most "
+            f"{train_shards} replicas or prepare smaller shards")
+    # Replica r reads shards r::R: the smallest share bounds what every replica can consume.
+    rows = [s.rows for s in meta.splits["train"].shards]
+    per_replica_blocks = min(sum(rows[r::replicas]) for r in range(replicas))
+    available = per_replica_blocks * (meta.block_len // seq_len)
+    if sequences_per_replica > available:
+        label = "run.rounds" if rounds is None else f"run.rounds ({rounds})"
+        raise ConfigError(
+            f"{label} needs {sequences_per_replica} sequences per replica but "
+            f"{data_dir} holds about {available} per replica at data.seq_len "
+            f"{seq_len}; lower run.rounds / run.token_budget or use more data")
+
+
+def check_shards(data_dir: Path, meta: DatasetMeta) -> None:
+    """Every shard present, with its recorded rows and the tokens: list<int32> column (footers
+    only: cheap on any dataset size)."""
+    problems = [p for s in SPLITS for shard in meta.split(s).shards
+                for p in _shard_problems(data_dir / shard.file, shard, checksums=False)]
+    if problems:
+        raise DataError(f"{data_dir}: {len(problems)} bad shard(s); prepare it again "
+                        "(with --overwrite):\n  " + "\n  ".join(problems))
+
+
+def scan_shards(data_dir: Path, meta: DatasetMeta) -> int:
+    """Read every shard: check its sha256 and return the largest token id over all splits."""
+    max_id = -1
+    for s in SPLITS:
+        for shard in meta.split(s).shards:
+            path = data_dir / shard.file
+            actual = sha256_file(path)
+            if actual != shard.sha256:
+                raise DataError(
+                    f"{path}: sha256 {actual} != {shard.sha256} recorded in meta.json: the file "
+                    "is corrupt or truncated; prepare the dataset again (with --overwrite)")
+            column = pq.read_table(path, columns=[TOKEN_COLUMN]).column(TOKEN_COLUMN)
+            if column.length():
+                # The max of the flattened values: no Python loop over rows.
+                largest = pc.max(pc.list_flatten(column)).as_py()
+                if largest is not None:
+                    max_id = max(max_id, int(largest))
+    return max_id
+
+
+def scanned_max_token_id(data_dir: Path, meta: DatasetMeta) -> int | None:
+    """The largest token id, from the stamp or a full scan (which writes the stamp); None when
+    ``ISOLOCO_RAY_VERIFY_DATA=never``."""
+    mode = os.environ.get(VERIFY_ENV, "once")
+    if mode not in ("once", "always", "never"):
+        raise ConfigError(f"{VERIFY_ENV}={mode!r}: expected once, always or never")
+    if mode == "never":
+        return None
+    key = sha256_file(data_dir / META_FILE)
+    stamp = data_dir / STAMP_FILE
+    if mode == "once":
+        try:
+            recorded = json.loads(stamp.read_text())
+            if recorded.get("meta_sha256") == key:
+                return int(recorded["max_token_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no stamp (or a stale/broken one): scan
+    blocks = sum(meta.split(s).tokens for s in SPLITS)
+    print(f"verifying {data_dir} ({blocks:,} tokens: checksums and token ids; once per "
+          f"dataset, {VERIFY_ENV}=never skips it)", file=sys.stderr)
+    max_id = scan_shards(data_dir, meta)
+    try:
+        tmp = stamp.with_name(f"{STAMP_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"meta_sha256": key, "max_token_id": max_id}) + "\n")
+        os.replace(tmp, stamp)
+    except OSError:
+        pass  # a read-only dataset: scanned again next time
+    return max_id

@@ -1,0 +1,152 @@
+"""Where documents come from: local text files, a Hugging Face dataset, or ready token arrays.
+
+A *text source* is anything ``open_source`` understands, turned into a ``TextSource``: a name for
+meta.json and a function that yields the documents, always in the same order (prepare relies on
+that order to split deterministically and to resume). Kinds:
+
+- a local file or folder (searched recursively, files sorted by path) of
+  ``.txt`` (one document per file), ``.jsonl`` (one JSON object per line; the text field,
+  default ``text``) or ``.parquet`` (the text column, default ``text``, read a row group at a
+  time so a large file never sits in memory);
+- anything else is a Hugging Face dataset name, streamed with ``datasets.load_dataset(...,
+  streaming=True)`` (the optional ``hf`` extra: ``pip install -e ".[hf]"``), e.g.
+  ``mlfoundations/dclm-baseline-1.0-parquet``; ``NAME:CONFIG`` selects a config.
+
+``npy_token_files`` lists the research code's ready token arrays (``{split}_NNNNNN.npy``, flat
+uint16 streams) for ``prepare --from-npy``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from isoloco_ray.data.format import SPLITS, DataError
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+_NPY_NAME = re.compile(r"^(train|valid|test)_(\d{6})\.npy$")
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """A re-iterable source of documents: ``documents()`` starts over from the first one."""
+
+    name: str
+    documents: Callable[[], Iterator[str]]
+
+
+def open_source(spec: str, text_field: str = "text", hf_split: str = "train") -> TextSource:
+    """The source named by ``spec``: a local path if it exists, else a Hugging Face dataset."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        files = local_files(path)
+        return TextSource(f"local: {path.absolute()} ({len(files)} files, field {text_field!r})",
+                          lambda: iter_local_documents(files, text_field))
+    if spec.startswith((".", "/", "~")) or spec.endswith(TEXT_SUFFIXES):
+        raise DataError(f"--source {spec}: no such file or folder")
+    name, _, config = spec.partition(":")
+    return TextSource(f"huggingface: {spec} (split {hf_split}, field {text_field!r})",
+                      lambda: iter_hf_documents(name, config or None, hf_split, text_field))
+
+
+def local_files(path: Path) -> list[Path]:
+    """The text files under ``path`` (itself if a file), sorted, so the order never varies."""
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    for f in files:
+        if f.suffix not in TEXT_SUFFIXES:
+            raise DataError(f"{f}: unsupported file type; expected one of {TEXT_SUFFIXES}")
+    if not files:
+        raise DataError(f"{path} holds no {', '.join(TEXT_SUFFIXES)} files")
+    return files
+
+
+def iter_local_documents(files: list[Path], text_field: str = "text") -> Iterator[str]:
+    """Yield the documents of ``files`` in order; empty documents are skipped."""
+    readers = {".txt": _iter_txt, ".jsonl": _iter_jsonl, ".parquet": _iter_parquet}
+    for f in files:
+        for text in readers[f.suffix](f, text_field):
+            if text:
+                yield text
+
+
+def _iter_txt(path: Path, text_field: str) -> Iterator[str]:
+    from isoloco_ray.data.demo import decode_text
+
+    yield decode_text(path.read_bytes())
+
+
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{number}: not valid JSON ({e})") from e
+            yield _text_of(record, text_field, f"{path}:{number}")
+
+
+def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for a bad file
+        raise DataError(f"{path}: not a readable parquet file ({e})") from e
+    if text_field not in pf.schema_arrow.names:
+        raise DataError(f"{path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); "
+                        "choose it with --text-field")
+    for batch in pf.iter_batches(batch_size=4096, columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            yield text or ""
+
+
+def iter_hf_documents(name: str, config: str | None = None, split: str = "train",
+                      text_field: str = "text") -> Iterator[str]:
+    """Stream the documents of a Hugging Face dataset (never downloads it whole)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"--source {name} is not a local path, so it is read as a Hugging Face dataset, which "
+            'needs the `datasets` package: pip install -e ".[hf]"') from None
+    rows = datasets.load_dataset(name, config, split=split, streaming=True)
+    for number, row in enumerate(rows):
+        text = _text_of(row, text_field, f"{name} row {number}")
+        if text:
+            yield text
+
+
+def _text_of(record: object, field: str, where: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        keys = list(record) if isinstance(record, dict) else type(record).__name__
+        raise DataError(f"{where}: no field {field!r} (has {keys}); choose it with --text-field")
+    text = record[field]
+    if text is not None and not isinstance(text, str):
+        raise DataError(f"{where}: field {field!r} is {type(text).__name__}, not text")
+    return text or ""
+
+
+def npy_token_files(directory: str | os.PathLike[str]) -> dict[str, list[Path]]:
+    """``{split: [files]}`` of a folder of ``{train,valid,test}_NNNNNN.npy`` token arrays,
+    each split's files in number order; a split without files gets an empty list."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DataError(f"--from-npy {directory}: not a folder")
+    found: dict[str, list[tuple[int, Path]]] = {s: [] for s in SPLITS}
+    for p in directory.iterdir():
+        m = _NPY_NAME.match(p.name)
+        if m:
+            found[m.group(1)].append((int(m.group(2)), p))
+    if not found["train"]:
+        raise DataError(f"--from-npy {directory}: no train_NNNNNN.npy files")
+    return {s: [p for _, p in sorted(v)] for s, v in found.items()}

@@ -1,0 +1,199 @@
+"""Text sources and the streaming corpus preparation: each source kind, the hashed split, the
+packing, resume after an interruption, the research .npy conversion, the CLI. Small local files
+only; the Hugging Face path runs against a fake ``datasets`` module (no network)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from isoloco_ray.data import prepare, sources
+from isoloco_ray.data.format import SPLITS, DataError, DatasetMeta, read_blocks, split_files, verify
+
+from conftest import synthetic_documents
+
+DOCS = synthetic_documents(240, seed=4)
+SETTINGS = dict(tokenizer="train-bpe:300", block_len=32, shard_blocks=8, seed=1,
+                valid_fraction=0.1, test_fraction=0.1)
+
+
+def write_sources(root: Path) -> Path:
+    """The same 240 documents as .txt files, a .jsonl and a .parquet under one folder."""
+    (root / "a_txt").mkdir(parents=True)
+    for i, d in enumerate(DOCS[:40]):
+        (root / "a_txt" / f"{i:03d}.txt").write_text(d)
+    with open(root / "b.jsonl", "w") as f:
+        for d in DOCS[40:140]:
+            f.write(json.dumps({"text": d, "id": 1}) + "\n")
+    pq.write_table(pa.table({"text": DOCS[140:]}), root / "c.parquet")
+    (root / ".hidden.txt").write_text("not a document")
+    return root
+
+
+def settings(source: sources.TextSource, **kw) -> prepare.CorpusSettings:  # type: ignore[no-untyped-def]
+    return prepare.CorpusSettings(source=source.name, **{**SETTINGS, **kw})
+
+
+def test_local_sources_yield_every_document_in_order(tmp_path: Path) -> None:
+    src = sources.open_source(str(write_sources(tmp_path / "in")))
+    assert list(src.documents()) == DOCS  # a_txt/ sorts before b.jsonl before c.parquet
+    assert list(src.documents()) == DOCS  # re-iterable
+    assert list(sources.open_source(str(tmp_path / "in" / "b.jsonl")).documents()) == DOCS[40:140]
+
+
+def test_bad_local_inputs_are_named(tmp_path: Path) -> None:
+    (tmp_path / "x.jsonl").write_text('{"body": "hi"}\n')
+    with pytest.raises(DataError, match=r"x.jsonl:1: no field 'text'"):
+        list(sources.open_source(str(tmp_path / "x.jsonl")).documents())
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "y.parquet")
+    with pytest.raises(DataError, match=r"y.parquet: no column 'text'"):
+        list(sources.open_source(str(tmp_path / "y.parquet")).documents())
+    with pytest.raises(DataError, match="no such file"):
+        sources.open_source("./missing_dir")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="holds no"):
+        sources.open_source(str(tmp_path / "empty"))
+
+
+def test_hf_source_streams_through_datasets(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def load_dataset(name, config=None, split=None, streaming=False):  # type: ignore[no-untyped-def]
+        calls.append((name, config, split, streaming))
+        return iter([{"text": "one"}, {"text": ""}, {"text": "two"}])
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    src = sources.open_source("org/corpus:cfg", hf_split="train")
+    assert list(src.documents()) == ["one", "two"]
+    assert calls == [("org/corpus", "cfg", "train", True)]
+
+
+def test_hf_source_without_datasets_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails
+    with pytest.raises(DataError, match=r'pip install -e "\.\[hf\]"'):
+        list(sources.open_source("org/corpus").documents())
+
+
+def test_document_split_is_deterministic_and_sized() -> None:
+    labels = [prepare.document_split(7, i, 0.1, 0.05) for i in range(4000)]
+    assert labels == [prepare.document_split(7, i, 0.1, 0.05) for i in range(4000)]
+    assert labels != [prepare.document_split(8, i, 0.1, 0.05) for i in range(4000)]
+    assert 320 < labels.count("valid") < 480 and 130 < labels.count("test") < 270
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = write_sources(tmp_path_factory.mktemp("src") / "in")
+    out = tmp_path_factory.mktemp("prepared") / "ds"
+    src = sources.open_source(str(root))
+    prepare.prepare_corpus(src, out, settings(src))
+    return root, out
+
+
+def test_corpus_split_and_packing(corpus: tuple[Path, Path]) -> None:
+    from tokenizers import Tokenizer
+
+    root, out = corpus
+    meta = verify(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
+    tok.encode_special_tokens = True
+    eos = meta.eos_id
+    assert meta.bos_id == eos  # our BPE: no BOS inserted
+    by_split: dict[str, list[str]] = {s: [] for s in SPLITS}
+    for i, d in enumerate(DOCS):
+        by_split[prepare.document_split(1, i, 0.1, 0.1)].append(d)
+    for name in SPLITS:
+        stream = np.array([t for d in by_split[name]
+                           for t in tok.encode(d, add_special_tokens=False).ids + [eos]])
+        info = meta.split(name)
+        n = len(stream) // 32
+        assert info.documents == len(by_split[name]) and info.blocks == n
+        assert info.dropped_tokens == len(stream) % 32
+        blocks = np.concatenate([read_blocks(f) for f in split_files(out, name)])
+        np.testing.assert_array_equal(blocks.ravel(), stream[:n * 32])
+    assert all(s.rows == 8 for s in meta.split("train").shards[:-1])
+    assert not (out.parent / ".ds.partial").exists()
+
+
+def test_rerun_is_idempotent_and_other_settings_refused(corpus: tuple[Path, Path],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    root, out = corpus
+    args = ["--source", str(root), "--tokenizer", "train-bpe:300", "--out", str(out),
+            "--block-len", "32", "--shard-blocks", "8", "--seed", "1", "--valid-fraction", "0.1",
+            "--test-fraction", "0.1", "--workers", "1", "--quiet"]
+    assert prepare.main(args) == 0
+    assert "already prepared" in capsys.readouterr().out
+    other = [("2" if a == "1" and args[i - 1] == "--seed" else a) for i, a in enumerate(args)]
+    assert prepare.main(other) == 1
+    assert "--overwrite" in capsys.readouterr().err
+
+
+def test_interrupted_prepare_resumes_to_identical_output(
+        corpus: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root, reference = corpus
+    src = sources.open_source(str(root))
+    out = tmp_path / "ds"
+    real = prepare.write_blocks
+    calls = {"n": 0}
+
+    def flaky(path, blocks):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 30:
+            raise KeyboardInterrupt  # killed mid-run
+        return real(path, blocks)
+
+    monkeypatch.setattr(prepare, "write_blocks", flaky)
+    monkeypatch.setattr(prepare, "CORPUS_BATCH", 16)  # checkpoints between batches
+    with pytest.raises(KeyboardInterrupt):
+        prepare.prepare_corpus(src, out, settings(src))
+    partial = tmp_path / ".ds.partial"
+    assert not out.exists() and (partial / "progress.json").is_file()
+    assert not list(partial.rglob(".*.tmp"))  # no half-written shard
+    done = json.loads((partial / "progress.json").read_text())["next_document"]
+    assert 0 < done < len(DOCS)
+    monkeypatch.setattr(prepare, "write_blocks", real)
+    meta = prepare.prepare_corpus(src, out, settings(src), workers=2)  # the pool path too
+    assert meta == DatasetMeta.load(reference)  # same shards, same checksums
+    assert not partial.exists()
+
+
+def test_token_targets(corpus: tuple[Path, Path], tmp_path: Path) -> None:
+    root, _ = corpus
+    src = sources.open_source(str(root))
+    meta = prepare.prepare_corpus(src, tmp_path / "t", settings(src, total_tokens=1000,
+                                                                valid_tokens=100))
+    train, valid = meta.split("train"), meta.split("valid")
+    assert 1000 - 32 <= train.tokens + train.dropped_tokens < 1000 + 400
+    assert valid.tokens + valid.dropped_tokens < 100 + 400  # stops after the doc that fills it
+
+
+def test_from_npy(tmp_path: Path, small_dataset: Path) -> None:
+    meta0 = DatasetMeta.load(small_dataset)
+    npy = tmp_path / "npy"
+    npy.mkdir()
+    rng = np.random.default_rng(0)
+    arrays = {f"train_{i:06d}.npy": rng.integers(0, meta0.vocab_size, 1000, dtype=np.uint16)
+              for i in range(3)}
+    arrays["valid_000000.npy"] = rng.integers(0, meta0.vocab_size, 300, dtype=np.uint16)
+    for name, a in arrays.items():
+        np.save(npy / name, a)
+    tok = str(small_dataset / "tokenizer")
+    out = tmp_path / "out"
+    assert prepare.main(["--from-npy", str(npy), "--tokenizer", tok, "--out", str(out),
+                         "--block-len", "64", "--shard-blocks", "10"]) == 0
+    meta = verify(out)
+    train = np.concatenate([read_blocks(f) for f in split_files(out, "train")]).ravel()
+    stream = np.concatenate([arrays[f"train_{i:06d}.npy"] for i in range(3)])
+    np.testing.assert_array_equal(train, stream[:len(train)])
+    assert meta.split("train").blocks == 3000 // 64 and meta.split("test").blocks == 0
+    assert meta.split("train").documents == int((stream == meta.eos_id).sum())
+    np.save(npy / "test_000000.npy", np.array([meta0.vocab_size], dtype=np.uint16))
+    with pytest.raises(DataError, match=r"test_000000.npy: token id \d+ is outside"):
+        prepare.prepare_from_npy(npy, tmp_path / "bad", tokenizer=tok, block_len=64)
