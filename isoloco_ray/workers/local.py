@@ -30,12 +30,13 @@ class StopAfterRound(Exception):
 
 def local_env(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1,
               reports: list[Metrics] | None = None, checkpoints: Path | None = None,
-              restore_from: Path | None = None, stop_after: int | None = None) -> WorkerEnv:
+              restore_from: Path | None = None, stop_after: int | None = None,
+              device: torch.device | str = "cpu") -> WorkerEnv:
     """A WorkerEnv reading local shards with pyarrow.
 
     Reports are appended to `reports`; checkpoints are copied to `checkpoints/round_NNNNNN`
     (every rank's files into one directory, as Ray Train does); `stop_after` interrupts the
-    run right after that round's report.
+    run right after that round's report. `device`: where the model runs (one worker).
     """
     train_files = split_files(data_dir, "train")
 
@@ -49,7 +50,7 @@ def local_env(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1,
             raise StopAfterRound(stop_after)
 
     return WorkerEnv(
-        rank=rank, world=world, device=torch.device("cpu"),
+        rank=rank, world=world, device=torch.device(device),
         read_epoch=lambda r: pyarrow_reader(replica_files(train_files, r, cfg.scaling.replicas)),
         report=report, restore_from=restore_from,
     )
