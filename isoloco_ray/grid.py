@@ -1,0 +1,276 @@
+"""Grid files (tune_configs/*.yaml): the model, the expansion into trials, the validation.
+
+A grid file holds a `base:` training config (the sections of the train CLI), a `grid:` mapping
+dotted field paths to lists of values (their Cartesian product), and optionally `trials:`
+(explicit combinations, e.g. a strategy with its own tuned lr), each crossed with the grid.
+Every trial is validated as a TrainConfig and against its data here, before Ray starts; no Ray
+import in this module.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from isoloco_ray.config import (ConfigError, TrainConfig, build_config, field_paths,
+                                format_validation_error, merge_nested, read_yaml_config)
+
+SummaryMetric = Literal["final_eval_loss", "final_eval_perplexity", "tokens_per_s", "seconds",
+                        "train_seconds", "outer_bytes_per_round"]
+FIELD_PATHS = field_paths(TrainConfig)
+# Paths with environment references ($DATA_DIR/...) expanded when a grid is loaded, so files
+# converted from W&B sweeps keep working unchanged on another cluster.
+ENV_PATH_FIELDS = ("data.path", "run.storage_path")
+# The grid names and places each trial's run itself.
+_GRID_OWNED = ("run.name",)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MetricSpec(_Strict):
+    """What ranks the trials: a figure of each run's summary.json."""
+
+    name: SummaryMetric = Field("final_eval_loss", description="summary figure to rank by")
+    mode: Literal["min", "max"] = Field("min", description="min: lower is better")
+
+
+class TrialResources(_Strict):
+    """How many trials run at once and what each trial's driver holds (its TorchTrainer's
+    workers reserve `scaling.cpus_per_worker` and a GPU each on top)."""
+
+    trial_cpus: float = Field(1.0, gt=0, description="logical CPUs of each trial's driver")
+    max_concurrent: int | None = Field(
+        None, gt=0, description="trials at once (default: as many as the cluster fits)")
+
+
+def check_field_path(path: str) -> str:
+    """`path` if it names a field of TrainConfig, else ValueError with the closest one."""
+    if path in FIELD_PATHS:
+        if path in _GRID_OWNED:
+            raise ValueError(f"{path} is set by the grid (one run per trial); remove it")
+        return path
+    close = difflib.get_close_matches(path, FIELD_PATHS, n=1)
+    hint = f"; did you mean {close[0]}?" if close else " (fields are section.field, e.g. inner.lr)"
+    raise ValueError(f"unknown field {path!r}{hint}")
+
+
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted paths: {"inner": {"lr": 1}} -> {"inner.lr": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Dotted paths as nested sections: {"inner.lr": 1} -> {"inner": {"lr": 1}}."""
+    nested: dict[str, Any] = {}
+    for path, value in flat.items():
+        *sections, name = path.split(".")
+        node = nested
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+    return nested
+
+
+class GridFile(_Strict):
+    """A grid file: base config, grid, explicit trials, ranking metric, resources."""
+
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                             description="grid name (default: the file's name)")
+    base: dict[str, Any] = Field(default_factory=dict, description="the training config every "
+                                 "trial starts from (sections as in the train CLI's YAML)")
+    grid: dict[str, list[Any]] = Field(default_factory=dict, description="field path -> values; "
+                                       "every combination is a trial")
+    trials: list[dict[str, Any]] = Field(default_factory=list, description="explicit "
+                                         "combinations of field path -> value, each crossed "
+                                         "with the grid")
+    metric: MetricSpec = MetricSpec()
+    resources: TrialResources = TrialResources()
+
+    @field_validator("grid")
+    @classmethod
+    def _check_grid(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for path, values in grid.items():
+            check_field_path(path)
+            if not values:
+                raise ValueError(f"{path}: an empty list of values gives no trials")
+        return grid
+
+    @field_validator("trials")
+    @classmethod
+    def _check_trials(cls, trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        checked = []
+        for index, trial in enumerate(trials):
+            flat = flatten(trial)  # nested sections and dotted paths both work
+            for path in flat:
+                try:
+                    check_field_path(path)
+                except ValueError as exc:
+                    raise ValueError(f"trials[{index}]: {exc}") from None
+            checked.append(flat)
+        return checked
+
+
+def load_grid_file(path: Path) -> GridFile:
+    """Read and check a grid file; ConfigError naming the file and the field."""
+    values = read_yaml_config(path)
+    try:
+        return GridFile.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: " + format_validation_error(exc).replace(
+            "\n", f"\n{path}: ")) from None
+
+
+def expand(grid_file: GridFile) -> list[dict[str, Any]]:
+    """Every trial's settings (dotted path -> value): each explicit trial (or none) crossed
+    with the grid's Cartesian product, in order: trials outer, grid inner (last key fastest)."""
+    paths = list(grid_file.grid)
+    combos = [dict(zip(paths, values)) for values in itertools.product(*grid_file.grid.values())]
+    expanded = []
+    for index, trial in enumerate(grid_file.trials or [{}]):
+        clash = sorted(set(trial) & set(paths))
+        if clash:
+            raise ConfigError(f"trials[{index}] sets {clash[0]}, which grid: varies too; set it "
+                              "in one place")
+        expanded += [{**trial, **combo} for combo in combos]
+    return expanded
+
+
+def expand_env_paths(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with environment references in path fields ($DATA_DIR/x) expanded."""
+    values = json.loads(json.dumps(values, default=str))
+    for path in ENV_PATH_FIELDS:
+        section, name = path.split(".")
+        raw = values.get(section, {}).get(name)
+        if isinstance(raw, str) and "$" in raw:
+            expanded = os.path.expandvars(raw)
+            missing = re.search(r"\$\{?(\w+)", expanded)
+            if missing:
+                raise ConfigError(f"{path}: environment variable {missing.group(1)} is not set "
+                                  f"({raw})")
+            values[section][name] = expanded
+    return values
+
+
+def describe(overrides: dict[str, Any]) -> str:
+    """`outer.strategy=isoc, inner.lr=0.001`."""
+    return ", ".join(f"{path}={value}" for path, value in overrides.items()) or "the base"
+
+
+def distinguishing_fields(strategies: list[str], expanded: list[dict[str, Any]]) -> set[str]:
+    """The fields whose values differ between trials of the same strategy: what a trial's
+    name needs besides its strategy (a paper config pinning each strategy's own lr needs
+    none)."""
+    fields = set()
+    for path in {p for overrides in expanded for p in overrides} - {"outer.strategy"}:
+        seen: dict[str, set[str]] = {}
+        for strategy, overrides in zip(strategies, expanded):
+            seen.setdefault(strategy, set()).add(json.dumps(overrides.get(path, "<base>")))
+        if any(len(values) > 1 for values in seen.values()):
+            fields.add(path)
+    return fields
+
+
+def trial_name(index: int, width: int, strategy: str, overrides: dict[str, Any],
+               fields: set[str]) -> str:
+    """A stable, path-safe name: `03-isoloco-inner.lr=0.001` (index, strategy, the `fields`
+    the trial sets). It names the trial's run directory, so --resume finds the same run."""
+    parts = [f"{index:0{width}d}", strategy]
+    parts += [f"{path}={value}" for path, value in overrides.items() if path in fields]
+    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", "-".join(parts))[:120]
+
+
+@dataclass
+class Trial:
+    """One trial of a grid: its name, what the grid set, the validated config, its data."""
+
+    index: int
+    name: str
+    overrides: dict[str, Any]
+    config: TrainConfig
+    data_dir: Path | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        """Where the trial's training run writes (config, metrics, summary, model)."""
+        return self.config.run.storage_path / self.config.run.name
+
+
+def build_trials(grid_file: GridFile, cli_overrides: dict[str, Any],
+                 grid_dir: Path) -> list[Trial]:
+    """Every trial as a validated TrainConfig whose run lives under `grid_dir/runs/`.
+
+    `cli_overrides` (nested, from --section.field=value) change the base; setting a field the
+    grid varies is an error. Raises ConfigError naming the trial and the field."""
+    expanded = expand(grid_file)
+    varied = {path for overrides in expanded for path in overrides}
+    for path in flatten(cli_overrides):
+        if path in varied:
+            raise ConfigError(f"--{path}: the grid varies this field; change it in the grid "
+                              "file instead")
+    base = merge_nested(grid_file.base, cli_overrides)
+    configs = []
+    for index, overrides in enumerate(expanded):
+        try:
+            configs.append(build_config(expand_env_paths(merge_nested(base, nest(overrides)))))
+        except ConfigError as exc:
+            raise ConfigError(f"trial {index} ({describe(overrides)}): " + str(exc).replace(
+                "\n", f"\ntrial {index}: ")) from None
+    width = len(str(len(expanded) - 1))
+    fields = distinguishing_fields([cfg.outer.strategy for cfg in configs], expanded)
+    trials = []
+    for index, (overrides, cfg) in enumerate(zip(expanded, configs)):
+        name = trial_name(index, width, cfg.outer.strategy, overrides, fields)
+        run = cfg.run.model_copy(update={"name": name, "storage_path": grid_dir / "runs"})
+        trials.append(Trial(index, name, overrides, cfg.model_copy(update={"run": run})))
+    first_wandb = trials[0].config.run.wandb
+    for trial in trials:
+        if trial.config.run.wandb != first_wandb:
+            raise ConfigError(f"trial {trial.index} ({describe(trial.overrides)}): run.wandb "
+                              "must be the same for every trial of a grid; set it in base:")
+    return trials
+
+
+def grid_directory(grid_file: GridFile, cli_overrides: dict[str, Any], name: str) -> Path:
+    """`run.storage_path` of the base (default runs/) / the grid's name, absolute."""
+    base = expand_env_paths(merge_nested(grid_file.base, cli_overrides))
+    storage = Path(base.get("run", {}).get("storage_path") or "runs")
+    return storage.expanduser().resolve() / name
+
+
+def validate_against_data(trials: list[Trial]) -> None:
+    """Check every trial against its data (and W&B availability); sets `trial.data_dir`.
+
+    ConfigError/DataError naming the trial. Each data directory is read once."""
+    from isoloco_ray.data.format import DataError, DatasetMeta
+    from isoloco_ray.train import check_against_data, resolve_data_dir
+    from isoloco_ray.wandb_log import check_wandb_available
+
+    seen: dict[Any, tuple[Path, DatasetMeta]] = {}
+    for trial in trials:
+        cfg = trial.config
+        try:
+            if cfg.data.path not in seen:
+                data_dir = resolve_data_dir(cfg)
+                seen[cfg.data.path] = data_dir, DatasetMeta.load(data_dir)
+            data_dir, meta = seen[cfg.data.path]
+            check_against_data(cfg, meta, data_dir)
+            check_wandb_available(cfg)
+        except (ConfigError, DataError) as exc:
+            raise type(exc)(f"trial {trial.index} ({describe(trial.overrides)}): {exc}") from None
+        trial.data_dir = data_dir

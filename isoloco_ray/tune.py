@@ -1,0 +1,349 @@
+"""`python -m isoloco_ray.tune GRID.yaml [--section.field=value ...]`: a grid of runs on Ray Tune.
+
+Every trial of the grid file (isoloco_ray.grid) is validated, with its data, before Ray starts.
+Then a Tune function trainable builds one TorchTrainer per trial (the Ray Train V2 pattern:
+`Tuner(trainer)` no longer works), its per-round metrics flow to Tune through
+`TuneReportCallback`, trials run at once as far as the cluster fits them, and a failed trial
+is recorded without stopping the others. At the end (and after `--resume` of an interrupted
+grid) the results table, eval-loss plot and best config are written (isoloco_ray.report).
+
+Layout of a grid directory (`<run.storage_path>/<grid name>/`): `grid.json` (the trials),
+`runs/<trial>/` (each trial's training run, as the train CLI writes it), `tune/` (Tune's
+experiment state, which `--resume` restores), `results.md`, `results.csv`, `eval_loss.png`,
+`best_config.yaml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from isoloco_ray.config import ConfigError, TrainConfig, parse_cli_overrides
+from isoloco_ray.data.format import DataError
+from isoloco_ray.grid import (GridFile, Trial, build_trials, describe, grid_directory,
+                              load_grid_file, validate_against_data)
+from isoloco_ray.report import ERROR_FILE, GRID_FILE, last_error_line, print_report, write_report
+
+PROG = "python -m isoloco_ray.tune"
+TUNE_DIR = "tune"  # Tune's experiment inside the grid directory
+# Logical CPUs a trial needs beyond its driver and workers: Ray Data's read tasks.
+DATA_CPUS = 1.0
+
+
+@dataclass
+class GridPlan:
+    """A validated grid, ready to run."""
+
+    name: str
+    grid_dir: Path
+    file: GridFile
+    trials: list[Trial]
+
+    def manifest(self, max_concurrent: int | None) -> dict[str, Any]:
+        """grid.json: what `report` and `--resume` need to know about the grid."""
+        return {"name": self.name, "metric": self.file.metric.name,
+                "mode": self.file.metric.mode, "max_concurrent": max_concurrent,
+                "trials": [{"name": t.name, "strategy": t.config.outer.strategy,
+                            "overrides": t.overrides,
+                            "config": t.config.model_dump(mode="json")} for t in self.trials]}
+
+
+def plan_grid(path: Path, cli_args: list[str], name: str | None = None) -> GridPlan:
+    """Load, expand and validate the grid file with the command line's overrides, against
+    the data too; raises ConfigError/DataError naming the trial and the field."""
+    overrides = parse_cli_overrides(cli_args, PROG)
+    grid_file = load_grid_file(path)
+    name = name or grid_file.name or path.stem
+    grid_dir = grid_directory(grid_file, overrides, name)
+    trials = build_trials(grid_file, overrides, grid_dir)
+    validate_against_data(trials)
+    return GridPlan(name, grid_dir, grid_file, trials)
+
+
+def print_plan(plan: GridPlan) -> None:
+    """One line per trial: what it trains and what the grid set."""
+    print(f"grid {plan.name}: {len(plan.trials)} trials -> {plan.grid_dir}")
+    width = max(len(t.name) for t in plan.trials)
+    for trial in plan.trials:
+        cfg = trial.config
+        workers = cfg.scaling.num_workers
+        print(f"  {trial.name:<{width}}  R={cfg.scaling.replicas} on {workers} "
+              f"{'GPU ' if cfg.scaling.use_gpu else ''}worker{'s' if workers > 1 else ''}, "
+              f"{cfg.run.rounds} rounds x H={cfg.inner.steps}, "
+              f"{cfg.run.rounds * cfg.tokens_per_round:,} tokens, inner lr {cfg.inner.lr:g}"
+              + ("" if cfg.outer.strategy == "adamw_ddp" else f", outer lr {cfg.outer.lr:g}")
+              + f" | {describe(trial.overrides)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# What runs inside Ray
+
+
+def run_trial(params: dict[str, Any]) -> dict[str, Any]:
+    """The Tune function trainable: one trial's TorchTrainer, reporting every round to Tune.
+
+    Returns the run's summary (Tune's last result). A trial whose run already finished (the
+    grid was interrupted right after) returns that run's summary without training again.
+    The traceback of a failure is kept in the run's error.txt for the report."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from isoloco_ray.train import fit, write_summary
+
+    trial = params["trial"]
+    cfg = TrainConfig.model_validate(trial["config"])
+    data_dir = Path(trial["data_dir"])
+    run_dir = cfg.run.storage_path / cfg.run.name
+    if (run_dir / "summary.json").is_file():
+        return json.loads((run_dir / "summary.json").read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / ERROR_FILE).unlink(missing_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    started = time.perf_counter()
+    try:
+        final = fit(cfg, data_dir, run_dir, callbacks=[TuneReportCallback()])
+        if "error" in final:  # the loop gave up (e.g. every replica diverged)
+            raise RuntimeError(f"the run stopped after round {final['rounds']}: "
+                               f"{final['error']}")
+    except Exception:
+        (run_dir / ERROR_FILE).write_text(traceback.format_exc())
+        raise
+    return write_summary(cfg, final, data_dir, run_dir, time.perf_counter() - started)
+
+
+def trial_name(trial: Any) -> str:
+    """Tune's name and directory of a trial: the grid's stable trial name."""
+    return trial.config["trial"]["name"]
+
+
+def _progress_printer() -> Any:
+    """A Tune callback printing each trial's rounds, completion and failure on the console
+    (Tune's own status tables are turned off)."""
+    from ray import tune
+
+    from isoloco_ray.train import format_progress
+
+    class ProgressPrinter(tune.Callback):
+        def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict,
+                            **info: Any) -> None:
+            if "round" in result:
+                rounds = trial.config["trial"]["config"]["run"]["rounds"]
+                print(f"{trial_name(trial)}: {format_progress(result, rounds)}", flush=True)
+
+        def on_trial_complete(self, iteration: int, trials: list, trial: Any,
+                              **info: Any) -> None:
+            result = trial.last_result or {}
+            if "final_eval_loss" in result:
+                print(f"{trial_name(trial)}: done, final eval loss "
+                      f"{result['final_eval_loss']:.4f}, {result['seconds']:.0f}s", flush=True)
+
+        def on_trial_error(self, iteration: int, trials: list, trial: Any,
+                           **info: Any) -> None:
+            run = trial.config["trial"]["config"]["run"]
+            run_dir = Path(run["storage_path"]) / run["name"]
+            error_file = run_dir / ERROR_FILE
+            error = error_file.read_text() if error_file.is_file() else trial.get_error() or ""
+            print(f"{trial_name(trial)}: FAILED: {last_error_line(str(error))}", flush=True)
+
+    return ProgressPrinter()
+
+
+def trial_needs(cfg: TrainConfig, trial_cpus: float) -> dict[str, float]:
+    """Logical resources one trial holds while it trains: its driver, its workers, data."""
+    workers = cfg.scaling.num_workers
+    return {"CPU": trial_cpus + workers * cfg.scaling.cpus_per_worker + DATA_CPUS,
+            "GPU": float(workers) if cfg.scaling.use_gpu else 0.0}
+
+
+def start_cluster(plan: GridPlan, requested: int | None) -> int:
+    """Join or start Ray and choose how many trials run at once.
+
+    A local cluster gets enough logical CPUs for the trials asked for (Tune's trial drivers
+    and Ray Data need slots besides the workers); the concurrency is capped by what the
+    cluster fits, because a trial whose driver holds a CPU its workers need would wait."""
+    import ray
+
+    from isoloco_ray.train import start_ray
+
+    need: dict[str, float] = {}
+    for trial in plan.trials:
+        for key, value in trial_needs(trial.config, plan.file.resources.trial_cpus).items():
+            need[key] = max(need.get(key, 0.0), value)
+    cfg = plan.trials[0].config
+    local = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+    if local and cfg.run.num_cpus is None:
+        cores = os.cpu_count() or 1
+        num_cpus = max(4, 2 * cores, math.ceil((requested or 1) * need["CPU"]))
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"num_cpus": num_cpus})})
+    start_ray(cfg)
+    available = ray.cluster_resources()
+    fits = min(int(available.get(key, 0.0) // value) for key, value in need.items() if value)
+    if requested is not None:
+        if requested > fits:
+            print(f"warning: --max-concurrent {requested} is more trials than the cluster fits "
+                  f"now ({fits}; each needs {_format_needs(need)}): a trial beyond that holds "
+                  "its driver's CPU while it waits for workers, which can stall the grid",
+                  file=sys.stderr)
+        return requested
+    if fits < 1:
+        print(f"warning: a trial needs {_format_needs(need)} but the cluster has "
+              f"{_format_needs(available)} now; trials wait until it grows", file=sys.stderr)
+    return max(1, min(fits, len(plan.trials)))
+
+
+def _format_needs(resources: dict[str, float]) -> str:
+    return ", ".join(f"{resources.get(key, 0.0):g} {key}" for key in ("CPU", "GPU")
+                     if key == "CPU" or resources.get(key))
+
+
+@contextlib.contextmanager
+def quiet_tune() -> Iterator[None]:
+    """Keep Tune's status tables and failure tracebacks off the console: the progress
+    printer says what happens, in one line per round, and error.txt keeps the traceback."""
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # the legacy reporter obeys verbose=0
+    loggers = [logging.getLogger(name) for name in ("ray.tune.execution.tune_controller",
+                                                    "ray.tune.tune")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def run_grid(plan: GridPlan, max_concurrent: int | None, resume: bool) -> int:
+    """Run (or resume) the grid with Ray Tune, then write and print the report.
+
+    Returns 0 when every trial finished, 1 when any failed or did not finish, 2 when the grid
+    directory does not match the request."""
+    from ray import tune
+
+    from isoloco_ray.wandb_log import export_wandb_mode, tune_wandb_callback
+
+    tune_dir = plan.grid_dir / TUNE_DIR
+    manifest_path = plan.grid_dir / GRID_FILE
+    if resume:
+        if not manifest_path.is_file() or not tune.Tuner.can_restore(tune_dir):
+            print(f"error: --resume: {plan.grid_dir} holds no grid to resume", file=sys.stderr)
+            return 2
+        stored = json.loads(manifest_path.read_text())
+        if stored["trials"] != plan.manifest(None)["trials"]:
+            print(f"error: --resume: the grid's trials changed since {plan.grid_dir} was started;"
+                  " resume with the same file and flags, or start a new grid (--name)",
+                  file=sys.stderr)
+            return 2
+        if max_concurrent is not None and max_concurrent != stored.get("max_concurrent"):
+            print("note: --resume keeps the concurrency the grid started with "
+                  f"({stored.get('max_concurrent') or 'as many as fit'})", file=sys.stderr)
+        max_concurrent = stored.get("max_concurrent")
+    elif manifest_path.exists() or tune_dir.exists():
+        print(f"error: {plan.grid_dir} already holds a grid; continue it with --resume or "
+              "choose another --name", file=sys.stderr)
+        return 2
+
+    concurrency = start_cluster(plan, max_concurrent)
+    plan.grid_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        manifest_path.write_text(json.dumps(plan.manifest(max_concurrent), indent=2))
+    print(f"grid {plan.name}: {len(plan.trials)} trials, up to {concurrency} at once, "
+          f"in {plan.grid_dir}", flush=True)
+
+    trainable = tune.with_resources(run_trial, {"CPU": plan.file.resources.trial_cpus})
+    export_wandb_mode(plan.trials[0].config.run.wandb)
+    if resume:
+        tuner = tune.Tuner.restore(str(tune_dir), trainable=trainable, resume_unfinished=True)
+    else:
+        callbacks = [_progress_printer()]
+        wandb_callback = tune_wandb_callback(plan.trials[0].config.run.wandb, plan.name)
+        if wandb_callback is not None:
+            callbacks.append(wandb_callback)
+        space = [{"name": t.name, "overrides": t.overrides, "data_dir": str(t.data_dir),
+                  "config": t.config.model_dump(mode="json")} for t in plan.trials]
+        tuner = tune.Tuner(
+            trainable,
+            param_space={"trial": tune.grid_search(space)},
+            tune_config=tune.TuneConfig(max_concurrent_trials=concurrency,
+                                        trial_name_creator=trial_name,
+                                        trial_dirname_creator=trial_name),
+            run_config=tune.RunConfig(name=TUNE_DIR, storage_path=str(plan.grid_dir),
+                                      callbacks=callbacks, verbose=0))
+    with quiet_tune():
+        tuner.fit()  # a failed trial is recorded in its result, not raised
+
+    report, written = write_report(plan.grid_dir)
+    print_report(report, written)
+    unfinished = [run for run in report.runs if run.status != "done"]
+    if unfinished:
+        print(f"{len(unfinished)} of {len(report.runs)} trials did not finish"
+              + ("; rerun with --resume to continue the unfinished ones"
+                 if any(run.status != "failed" for run in unfinished) else ""))
+    return 1 if unfinished else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The tune CLI's own options; everything else is a --section.field=value override."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, allow_abbrev=False,
+        description="Run a grid of trainings (tune_configs/*.yaml) with Ray Tune, then write "
+                    "a results table, an eval-loss plot and the best trial's config.",
+        epilog="Any --section.field=value option of `python -m isoloco_ray.train --help` "
+               "changes the base config of every trial (not a field the grid varies).")
+    parser.add_argument("config", nargs="?", type=Path, metavar="GRID.yaml",
+                        help="grid file: base:, grid:, trials:, metric:, resources:")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate and print the expanded trials, then exit")
+    parser.add_argument("--max-concurrent", type=int, metavar="N",
+                        help="trials at once (default: resources.max_concurrent, else as many "
+                             "as the cluster fits)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue an interrupted grid: unfinished trials run again, "
+                             "finished and failed ones are kept")
+    parser.add_argument("--name", help="grid name, its directory under run.storage_path "
+                                       "(default: the file's name: field, else its file name)")
+    parser.add_argument("--from-wandb-sweep", type=Path, metavar="SWEEP.yaml",
+                        help="print a grid file converted from a W&B sweep file, and exit")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (2 for configuration errors)."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.from_wandb_sweep is not None:
+        from isoloco_ray.sweep_convert import convert_main
+
+        return convert_main(args.from_wandb_sweep)
+    if args.config is None:
+        parser.error("a grid file is required (e.g. tune_configs/demo_strategies.yaml)")
+    if args.max_concurrent is not None and args.max_concurrent < 1:
+        parser.error("--max-concurrent must be at least 1")
+    try:
+        plan = plan_grid(args.config, rest, args.name)
+    except (ConfigError, DataError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print_plan(plan)
+        return 0
+    max_concurrent = args.max_concurrent or plan.file.resources.max_concurrent
+    return run_grid(plan, max_concurrent, args.resume)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

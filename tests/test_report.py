@@ -1,0 +1,111 @@
+"""Results tables, plot and best config regenerated from run files alone (no Ray)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from isoloco_ray import report
+from isoloco_ray.config import load_config
+
+
+def write_run(run_dir: Path, args: list[str], losses: list[float] | None,
+              finished: bool = True, error: str | None = None) -> None:
+    """A run directory as the train CLI (or a grid trial) leaves it; `losses`: eval per round."""
+    cfg = load_config(["--model.preset=tiny", "--run.rounds=2", f"--run.name={run_dir.name}",
+                       *args])
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json())
+    tokens = cfg.tokens_per_round
+    lines = [{"round": r, "tokens": r * tokens, "eval_loss": loss,
+              "eval_perplexity": math.exp(loss)} for r, loss in enumerate(losses or [])]
+    if losses and len(losses) > 1:
+        # A restarted run appended rounds again: the latest report of a round wins.
+        lines.insert(1, {"round": 1, "tokens": tokens, "eval_loss": 99.0})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines)
+                                           + '{"round": 7, "tok')  # a torn last line
+    if finished:
+        (run_dir / "summary.json").write_text(json.dumps({
+            "strategy": cfg.outer.strategy, "tokens": (len(losses) - 1) * tokens,
+            "final_eval_loss": losses[-1], "final_eval_perplexity": math.exp(losses[-1]),
+            "seconds": 12.5}))
+    if error:
+        (run_dir / "error.txt").write_text(f"Traceback (most recent call last):\n  ...\n{error}\n")
+
+
+@pytest.fixture
+def grid_dir(tmp_path):
+    """A grid directory: 4 trials, one failed, one interrupted, one not started."""
+    trials = [("0-diloco-inner.lr=0.001", ["--inner.lr=0.001"], [6.0, 5.5, 5.2], True, None),
+              ("1-diloco-inner.lr=0.002", ["--inner.lr=0.002"], [6.0, 5.3, 5.0], True, None),
+              ("2-isoc", ["--outer.strategy=isoc"], [6.0], False,
+               "RuntimeError: replica 3 diverged"),
+              ("3-tsv", ["--outer.strategy=tsv"], [6.0, 5.6], False, None)]
+    for name, args, losses, finished, error in trials:
+        write_run(tmp_path / "runs" / name, args, losses, finished, error)
+    overrides = [{"outer.strategy": "diloco", "inner.lr": 0.001},
+                 {"outer.strategy": "diloco", "inner.lr": 0.002},
+                 {"outer.strategy": "isoc"}, {"outer.strategy": "tsv"},
+                 {"outer.strategy": "ties"}]
+    names = [t[0] for t in trials] + ["4-ties"]
+    (tmp_path / "grid.json").write_text(json.dumps({
+        "name": "lrs", "metric": "final_eval_loss", "mode": "min",
+        "trials": [{"name": n, "strategy": o["outer.strategy"], "overrides": o}
+                   for n, o in zip(names, overrides)]}))
+    return tmp_path
+
+
+def test_grid_report_ranks_trials_and_names_failures(grid_dir, capsys):
+    assert report.main([str(grid_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "failed: 2-isoc: RuntimeError: replica 3 diverged" in out
+
+    rows = list(csv.DictReader((grid_dir / "results.csv").open()))
+    assert [r["trial"] for r in rows] == ["1-diloco-inner.lr=0.002", "0-diloco-inner.lr=0.001",
+                                          "3-tsv", "2-isoc", "4-ties"]
+    assert [r["status"] for r in rows] == ["done", "done", "incomplete", "failed", "pending"]
+    assert list(rows[0]) == ["trial", "strategy", "inner.lr", "final eval loss", "perplexity",
+                             "tokens", "seconds", "status"]
+    assert float(rows[0]["final eval loss"]) == 5.0 and rows[0]["inner.lr"] == "0.002"
+    assert float(rows[2]["final eval loss"]) == 5.6  # latest eval of an unfinished run
+    assert rows[4]["strategy"] == "ties" and rows[4]["final eval loss"] == ""
+
+    markdown = (grid_dir / "results.md").read_text()
+    assert "| 1-diloco-inner.lr=0.002 | diloco | 0.002 | 5.0000 | 148.4 |" in markdown
+    assert "- `2-isoc`: RuntimeError: replica 3 diverged" in markdown
+
+    best = (grid_dir / "best_config.yaml").read_text()
+    assert best.startswith("# Best of grid lrs: 1-diloco-inner.lr=0.002")
+    values = yaml.safe_load(best)
+    assert "name" not in values["run"] and "storage_path" not in values["run"]
+    best_path = grid_dir / "best_config.yaml"
+    assert load_config([str(best_path)]).inner.lr == 0.002  # ready for the train CLI
+
+    pytest.importorskip("matplotlib")
+    png = grid_dir / "eval_loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 200_000
+
+
+def test_single_run_and_directory_of_runs(tmp_path, capsys):
+    write_run(tmp_path / "a", ["--outer.strategy=isoc"], [6.0, 5.1])
+    write_run(tmp_path / "b", ["--outer.strategy=isoloco", "--run.seed=3"], [6.0, 4.9])
+    assert report.main([str(tmp_path / "a")]) == 0
+    rows = list(csv.DictReader((tmp_path / "a" / "results.csv").open()))
+    assert [(r["trial"], r["strategy"], r["status"]) for r in rows] == [("a", "isoc", "done")]
+    assert not (tmp_path / "a" / "best_config.yaml").exists()
+
+    assert report.main([str(tmp_path), "--metric", "final_eval_perplexity"]) == 0
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [r["trial"] for r in rows] == ["b", "a"]
+    # Fields that differ between the runs' configs become columns (the strategies' own
+    # presets included), the strategy itself has its column.
+    assert {"run.seed", "inner.lr", "outer.lr"} <= set(rows[0])
+    assert rows[0]["run.seed"] == "3"
+
+    assert report.main([str(tmp_path / "empty")]) == 2
+    assert "does not exist" in capsys.readouterr().err
