@@ -17,8 +17,13 @@ F64 = torch.float64
 
 
 def svd(m: Tensor, dtype: torch.dtype = F64) -> tuple[Tensor, Tensor, Tensor]:
-    """Reduced SVD M = U diag(S) Vh, singular values descending."""
-    return torch.linalg.svd(m.to(dtype), full_matrices=False)
+    """Reduced SVD M = U diag(S) Vh, singular values descending. LAPACK's gesdd now and then
+    fails to converge on clustered singular values; the SVD of Mᵀ is the same decomposition."""
+    try:
+        return torch.linalg.svd(m.to(dtype), full_matrices=False)
+    except torch.linalg.LinAlgError:
+        u, s, vh = torch.linalg.svd(m.to(dtype).T, full_matrices=False)
+        return vh.T, s, u.T
 
 
 def ref_polar(m: Tensor, dtype: torch.dtype = F64) -> Tensor:
@@ -95,7 +100,7 @@ def ref_magnitude_sparsify(x: Tensor, sparsity: float, prune_dim: str = "all",
         scores = torch.linalg.vector_norm(x.to(F64), dim=1 if prune_dim == "row" else 0)
     keep = max(1, math.floor((1.0 - sparsity) * scores.numel()))
     order = torch.sort(scores, descending=True, stable=True).indices
-    mask = torch.zeros(scores.numel(), dtype=torch.bool)
+    mask = torch.zeros(scores.numel(), dtype=torch.bool, device=x.device)
     mask[order[:keep]] = True
     if prune_dim == "all":
         mask = mask.view(x.shape)

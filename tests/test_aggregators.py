@@ -33,6 +33,17 @@ from isoloco_ray.aggregators import (
 )
 
 merge_module = importlib.import_module("isoloco_ray.aggregators.merge")
+linalg = importlib.import_module("isoloco_ray.aggregators.linalg")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small matrices: one thread is faster, and immune to a busy machine's oversubscription."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 TOL = {"mean": 1e-5, "ties": 1e-5, "isoc": 1e-4, "tsv": 1e-3, "isocts": 3e-3}
 SHAPES = [(64, 48), (48, 64), (96, 32), (40, 40)]
@@ -96,6 +107,17 @@ def test_hard_inputs(strategy, shape):
              for _ in range(4)]
     for deltas in (faint, close):
         assert rel_err(merge(strategy, deltas), ref_merge(strategy, deltas)) <= TOL[strategy]
+
+
+@pytest.mark.parametrize("strategy", ["isoc", "tsv", "isocts"])
+def test_cuda_polar_path_on_cpu(strategy, monkeypatch):
+    """On CUDA the polar factors come from QDWH: the same merges, run here on CPU."""
+    monkeypatch.setattr(linalg, "POLAR_METHOD", "qdwh")
+    for shape, replicas in [((64, 48), 3), ((48, 64), 8), ((40, 40), 2)]:
+        deltas = make_deltas("realistic", shape, replicas, seed=24)
+        assert rel_err(merge(strategy, deltas), ref_merge(strategy, deltas)) <= TOL[strategy]
+    zeros = [torch.zeros(40, 40)] * 2
+    assert torch.equal(merge(strategy, zeros), zeros[0])
 
 
 # --- structural properties -----------------------------------------------------------------
@@ -163,6 +185,41 @@ def test_polar(method):
     assert rel_err(out[1, 2], ref_polar(batch[1, 2])) <= 1e-6
     assert torch.equal(polar(torch.zeros(8, 5), method=method).isnan(),
                        torch.zeros(8, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("failures", [1, 2, 99])
+def test_svd_robust_when_lapack_fails(failures, monkeypatch):
+    """gesdd can fail to converge; retried per matrix, transposed, then by QDWH + eigh."""
+    g = torch.Generator().manual_seed(22)
+    a = torch.randn(3, 30, 20, generator=g, dtype=torch.float64)
+    real_svd, calls = torch.linalg.svd, {"n": 0}
+
+    def flaky(x, full_matrices=True):
+        calls["n"] += 1
+        if calls["n"] <= failures:
+            raise torch.linalg.LinAlgError("did not converge")
+        return real_svd(x, full_matrices=full_matrices)
+
+    monkeypatch.setattr(torch.linalg, "svd", flaky)
+    u, s, vh = linalg.svd_robust(a)
+    monkeypatch.setattr(torch.linalg, "svd", real_svd)
+    assert torch.allclose((u * s.unsqueeze(-2)) @ vh, a, atol=1e-12)
+    assert torch.allclose(s, torch.linalg.svdvals(a), atol=1e-12)
+    assert torch.allclose(u.mT @ u, torch.eye(20, dtype=torch.float64).expand(3, 20, 20),
+                          atol=1e-12)
+
+
+def test_polar_error_bound():
+    """The bound that decides between the Gram route and the SVD is not optimistic."""
+    g = torch.Generator().manual_seed(23)
+    u, _, vh = torch.linalg.svd(torch.randn(200, 120, generator=g, dtype=torch.float64),
+                                full_matrices=False)
+    for low in (-3, -5, -6, -7):
+        m = (u * torch.logspace(0, low, 120, dtype=torch.float64)) @ vh
+        h, _ = linalg.psd_inv_sqrt(m.mT @ m)
+        actual = rel_err(m @ h, ref_polar(m))
+        bound = linalg.polar_error_bound(torch.linalg.eigvalsh(m.mT @ m)).item()
+        assert actual <= 2 * bound
 
 
 def test_isoc_matches_reference_batched():

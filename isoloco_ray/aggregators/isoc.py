@@ -16,8 +16,8 @@ def isoc64(a: Tensor) -> Tensor:
     """
     q = polar64(a)
     k = min(a.shape[-2:])
-    nuclear = (q * a).sum(dim=(-2, -1))
-    return q * (nuclear / k)[..., None, None]
+    nuclear = torch.linalg.vecdot(q.flatten(-2), a.flatten(-2))
+    return q.mul_((nuclear / k)[..., None, None])
 
 
 def isoc(matrix: Tensor) -> Tensor:

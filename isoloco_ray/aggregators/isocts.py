@@ -13,6 +13,7 @@ from isoloco_ray.aggregators.linalg import (
     mean64,
     polar_with_orthonormal_block,
     repair,
+    svd_robust,
     top_svd,
     trusted,
 )
@@ -47,7 +48,7 @@ def _common_wide(c: Tensor, k_c: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     ok = trusted(values[..., k_c - 1], values[..., 0])
 
     def exact(index: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        u, s, vh = torch.linalg.svd(c[index], full_matrices=False)  # u is m × m: a full basis
+        u, s, vh = svd_robust(c[index])  # u is m × m: a full basis
         return u[..., :k_c], s[..., :k_c], vh[..., :k_c, :].mT, u[..., k_c:]
 
     repair(ok, (u_c, s_c, v_c, basis), exact)

@@ -10,10 +10,11 @@ float rounding:
 - ``polar_with_orthonormal_block``: the polar factor of ``[X, Q]`` when Q already has
   orthonormal columns and X has few columns, through a small eigenproblem only.
 
-A Gram matrix squares the condition number. Results built from one are trusted only while the
-eigenvalues they use stay above ``GRAM_TRUST`` times the largest one; matrices that fail the
-test (numerically rank-deficient ones, an all-zero matrix) are recomputed with a plain SVD, so
-the fast path never changes the function that is computed.
+A Gram matrix squares the condition number, so every Gram-based result is checked, per
+matrix, and recomputed with a plain SVD where it fails (numerically rank-deficient matrices,
+an all-zero one): singular triplets need the eigenvalues they use above ``GRAM_TRUST`` times
+the largest; polar factors need a first-order bound of their error below ``POLAR_TRUST``
+(`polar_error_bound`). So the fast path never changes the function that is computed.
 """
 
 from __future__ import annotations
@@ -26,16 +27,23 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-# Eigenvalue ratio below which a Gram-based result is recomputed by SVD. Singular vectors from
-# a float64 Gram carry errors of about eps64 * (sigma_1 / sigma_j)^2 / relative gap; at 1e-10
-# that stays near 1e-6, far inside the tolerances SPEC.md sets against the SVD reference.
+# Eigenvalue ratio below which Gram-based singular triplets are recomputed by SVD. Singular
+# vectors from a float64 Gram carry errors of about eps64 * (sigma_1 / sigma_j)^2 / relative
+# gap; at 1e-10 that stays near 1e-6, far inside the tolerances SPEC.md sets.
 GRAM_TRUST = 1e-10
+# Largest estimated relative error (Frobenius) of a polar factor built from a Gram matrix;
+# above it the SVD is used. ISO-C's tolerance against the SVD version is 1e-4.
+POLAR_TRUST = 1e-5
 
 # QDWH: starting lower bound for the smallest singular value of A / ||A||_F. Any value
 # below the true one converges in at most six iterations (Nakatsukasa, Bai & Gygi 2010);
 # matrices with even smaller singular values still converge, the convergence test sees to it.
 _QDWH_L0 = {torch.float64: 1e-12, torch.float32: 1e-6}
 _QDWH_MAX_ITER = 30
+
+# How the merges compute polar factors (see polar64); "auto" picks by device. Tests set it to
+# "qdwh" to run the CUDA path on CPU.
+POLAR_METHOD = "auto"
 
 
 @contextlib.contextmanager
@@ -110,25 +118,67 @@ def top_svd(a: Tensor, q: int) -> tuple[Tensor, Tensor, Tensor]:
     u, v = (other, vectors) if tall else (vectors, other)
 
     def exact(index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        uu, ss, vh = torch.linalg.svd(a[index], full_matrices=False)
+        uu, ss, vh = svd_robust(a[index])
         return uu[..., :q], ss[..., :q], vh[..., :q, :].mT
 
     repair(ok, (u, s, v), exact)
     return u, s, v
 
 
+def polar_error_bound(values: Tensor) -> Tensor:
+    """Estimated relative error of the polar factor A (AᵀA)^{-1/2} when AᵀA has eigenvalues
+    `values` (b, k) and is known up to rounding: a perturbation δG of the Gram matrix moves
+    the polar factor by δG_ij / (σ_j (σ_i + σ_j)) in the singular bases, and eigh's backward
+    error is |δG| ≈ eps·λ_max. Infinite (or NaN) for singular matrices."""
+    s = values.clamp_min(0).sqrt()
+    k = s.shape[-1]
+    amplification = torch.linalg.matrix_norm(
+        1.0 / (s.unsqueeze(-2) * (s.unsqueeze(-1) + s.unsqueeze(-2))))
+    return torch.finfo(values.dtype).eps * values.amax(-1) * amplification / math.sqrt(k)
+
+
 def psd_inv_sqrt(g: Tensor) -> tuple[Tensor, Tensor]:
-    """G^{-1/2} of symmetric positive definite matrices, and per matrix whether it can be
-    trusted (smallest eigenvalue not negligible against the largest)."""
+    """G^{-1/2} of Gram matrices G = AᵀA, and per matrix whether A G^{-1/2} (a polar factor)
+    can be trusted (`polar_error_bound` at most POLAR_TRUST)."""
     values, vectors = torch.linalg.eigh(g)
-    ok = trusted(values[..., 0], values[..., -1])
+    ok = polar_error_bound(values) <= POLAR_TRUST  # NaN compares False: not trusted
     scale = values.clamp_min(torch.finfo(values.dtype).tiny).rsqrt()
     return (vectors * scale.unsqueeze(-2)) @ vectors.mT, ok
 
 
+def _svd_one(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    try:
+        return torch.linalg.svd(a, full_matrices=False)
+    except torch.linalg.LinAlgError:
+        pass
+    try:  # the same decomposition; LAPACK takes another path and usually converges
+        u, s, vh = torch.linalg.svd(a.mT, full_matrices=False)
+        return vh.mT, s, u.mT
+    except torch.linalg.LinAlgError:
+        pass
+    # Polar decomposition A = Q H by QDWH, then eigh of the symmetric H = W S Wᵀ.
+    tall = a.shape[-2] >= a.shape[-1]
+    x = a if tall else a.mT
+    q = polar_qdwh(x.unsqueeze(0))[0]
+    h = q.mT @ x
+    s, w = eigh_desc((h + h.mT) / 2)
+    u = q @ w
+    return (u, s, w.mT) if tall else (w, s, u.mT)
+
+
+def svd_robust(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Reduced SVD (U, S, Vh) of a batch. LAPACK's gesdd occasionally fails to converge
+    (clustered singular values); such matrices are retried transposed, then by QDWH + eigh."""
+    try:
+        return torch.linalg.svd(a, full_matrices=False)
+    except torch.linalg.LinAlgError:
+        u, s, vh = zip(*[_svd_one(x) for x in a])
+        return torch.stack(u), torch.stack(s), torch.stack(vh)
+
+
 def polar_svd(a: Tensor) -> Tensor:
     """Polar factor U Vᵀ from a plain SVD: the reference method, and the fallback."""
-    u, _, vh = torch.linalg.svd(a, full_matrices=False)
+    u, _, vh = svd_robust(a)
     return u @ vh
 
 
@@ -193,9 +243,10 @@ def polar_qdwh(a: Tensor, max_iter: int = _QDWH_MAX_ITER) -> Tensor:
     return polar_svd(a)
 
 
-def polar64(a: Tensor, method: str = "auto") -> Tensor:
+def polar64(a: Tensor, method: str | None = None) -> Tensor:
     """Polar factor of each matrix in a float64 batch. `method`: "auto" (QDWH on CUDA, Gram +
-    eigh elsewhere), "gram", "qdwh" or "svd"."""
+    eigh elsewhere), "gram", "qdwh" or "svd"; None means the module's POLAR_METHOD."""
+    method = method or POLAR_METHOD
     if method == "auto":
         method = "qdwh" if a.is_cuda else "gram"
     if method == "gram":
@@ -207,12 +258,13 @@ def polar64(a: Tensor, method: str = "auto") -> Tensor:
     raise ValueError(f"polar method must be one of 'auto', 'gram', 'qdwh', 'svd'; got {method!r}")
 
 
-def polar(matrix: Tensor, method: str = "auto") -> Tensor:
+def polar(matrix: Tensor, method: str | None = None) -> Tensor:
     """The polar factor Q = U Vᵀ of `matrix` (reduced SVD M = U S Vᵀ; SPEC.md, ISO-C).
 
     `matrix` is (m, n) or a batch (..., m, n); the result has its shape and dtype and is
-    computed in float64. For a rank-deficient matrix the polar factor is not unique; any
-    orthonormal completion (or, for method "qdwh", the partial isometry) may be returned.
+    computed in float64. `method` as in `polar64` (default: QDWH on CUDA, Gram + eigh with an
+    SVD fallback elsewhere). For a rank-deficient matrix the polar factor is not unique; any
+    orthonormal completion (or, with QDWH, the partial isometry) may be returned.
     """
     if matrix.dim() < 2:
         raise ValueError(f"polar needs a matrix (2 or more dims); got shape {tuple(matrix.shape)}")

@@ -25,6 +25,7 @@ from isoloco_ray.aggregators.sparsify import PRUNE_DIMS, PRUNE_METHODS, sparse_m
 from isoloco_ray.aggregators.tsv import tsv64
 
 STRATEGIES = ("mean", "isoc", "isocts", "tsv", "ties", "dare")
+SPECTRAL = ("isoc", "isocts", "tsv")  # batched float64 linear algebra; the rest is elementwise
 
 # Every option a strategy takes, with its default. None for keep_fraction means 1/R.
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -178,7 +179,7 @@ def merge_all(strategy: str, deltas_by_name: Mapping[str, Sequence[Tensor] | Ten
     """
     opts = resolve_options(strategy, options)
     checked = {name: _check_deltas(ds, name) for name, ds in deltas_by_name.items()}
-    if strategy not in ("isoc", "isocts", "tsv"):
+    if strategy not in SPECTRAL:
         merged: dict[str, Tensor] = {}
         gens: dict[int, list[torch.Generator | None]] = {}
         for name, items in checked.items():

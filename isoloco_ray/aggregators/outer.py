@@ -68,15 +68,16 @@ class OuterOptimizer:
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """Hyperparameters, step count (JSON-able) and "buffers": {name: float32 tensor}
-        (copies, safetensors-ready)."""
+        """Hyperparameters and step count (JSON-able) and "buffers": {name: float32 CPU
+        tensor} (copies, safetensors-ready; moved back to the parameter's device on use)."""
         return {
             "lr": self.lr,
             "momentum": self.momentum,
             "nesterov": self.nesterov,
             "orthogonalize_update": self.orthogonalize_update,
             "step": self.steps,
-            "buffers": {name: buf.detach().clone() for name, buf in self.buffers.items()},
+            "buffers": {name: buf.detach().to("cpu", copy=True)
+                        for name, buf in self.buffers.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

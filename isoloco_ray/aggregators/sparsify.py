@@ -77,7 +77,7 @@ def sparsify(delta: Tensor, sparsity: float, prune: str = "magnitude", prune_dim
       "random": keep a uniformly random k-subset, drawn from `generator` (required). The draw
       is k largest of N iid uniform float64 scores from ``torch.rand(N, generator=generator)``
       on the generator's device, so equal generator states give equal masks on every rank.
-    - rescale: multiply what is kept by 1/(1 − p).
+    - rescale: scale what is kept by 1/(1 − p).
 
     Returns a tensor of `delta`'s shape and dtype.
     """
@@ -93,8 +93,7 @@ def sparsify(delta: Tensor, sparsity: float, prune: str = "magnitude", prune_dim
             raise ValueError("prune 'random' needs a generator (a seeded torch.Generator)")
         check_generator("generator", generator)
 
-    units = {"all": delta.numel(), "row": delta.shape[0] if delta.dim() == 2 else 0,
-             "column": delta.shape[-1] if delta.dim() == 2 else 0}[prune_dim]
+    units = delta.numel() if prune_dim == "all" else delta.shape[0 if prune_dim == "row" else 1]
     if prune == "random":
         scores = torch.rand(units, generator=generator, dtype=torch.float64,
                             device=generator.device).to(delta.device)
@@ -106,8 +105,10 @@ def sparsify(delta: Tensor, sparsity: float, prune: str = "magnitude", prune_dim
         scores = torch.linalg.vector_norm(delta.detach().to(torch.float64),
                                           dim=1 if prune_dim == "row" else 0)
     mask = _k_largest_mask(scores, kept_count(units, sparsity))
-    mask = {"all": lambda: mask.view(delta.shape), "row": lambda: mask[:, None],
-            "column": lambda: mask[None, :]}[prune_dim]()
+    if prune_dim == "all":
+        mask = mask.view(delta.shape)
+    else:
+        mask = mask[:, None] if prune_dim == "row" else mask[None, :]
     kept = delta / (1.0 - sparsity) if rescale else delta
     return torch.where(mask, kept, torch.zeros((), dtype=delta.dtype, device=delta.device))
 
