@@ -55,3 +55,14 @@ def ray_cluster():
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one intra-op thread for a test module, restored afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -36,13 +36,8 @@ merge_module = importlib.import_module("isoloco_ray.aggregators.merge")
 linalg = importlib.import_module("isoloco_ray.aggregators.linalg")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small matrices: one thread is faster, and immune to a busy machine's oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small matrices: one thread is faster, and immune to a busy machine's oversubscription.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TOL = {"mean": 1e-5, "ties": 1e-5, "isoc": 1e-4, "tsv": 1e-3, "isocts": 3e-3}

@@ -10,13 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from isoloco_ray.aggregators import OuterOptimizer, isoc
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small matrices: one thread is faster, and immune to a busy machine's oversubscription."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Small matrices: one thread is faster, and immune to a busy machine's oversubscription.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SHAPES = {"w": (12, 8), "v": (8, 12), "b": (8,)}
