@@ -364,7 +364,7 @@ def print_report(report: Report, written: Written) -> None:
             print(f"failed: {run.name}: {last_error_line(run.error or '')}")
     print(f"table: {written.markdown} (and {written.csv.name})")
     print(f"plot: {written.plot}" if written.plot else
-          "plot: skipped, matplotlib is not installed (pip install 'isoloco_ray[plot]')")
+          "plot: skipped, matplotlib is not installed (pip install matplotlib)")
     if written.best_config:
         print(f"best config: {written.best_config}")
 
