@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from isoloco_ray.config import TrainConfig, config_differences
-from isoloco_ray.data.format import DatasetMeta, split_files
+from isoloco_ray.data.format import DatasetMeta, load_tokenizer, split_files
 from isoloco_ray.data.stream import EpochReader, ReplicaStream
 from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_strings,
@@ -288,13 +288,8 @@ def steady_tokens_per_s(rounds: int, tokens_per_round: int, train_seconds: float
 
 def export_model(model: nn.Module, data_dir: Path, out_dir: Path) -> None:
     """Save the model (safetensors) and the data's tokenizer for `from_pretrained`."""
-    from transformers import AutoTokenizer
-
-    meta = DatasetMeta.load(data_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer_source = data_dir / meta.tokenizer
-    AutoTokenizer.from_pretrained(tokenizer_source if tokenizer_source.exists()
-                                  else meta.tokenizer).save_pretrained(out_dir)
+    load_tokenizer(data_dir).save_pretrained(out_dir)
 
 
 def kill_once_hook(spec: str | None) -> Callable[[int, int], None] | None:
