@@ -144,10 +144,11 @@ class ScalingConfig(_Section):
                 f"scaling.replicas ({self.replicas}) must be divisible by "
                 f"scaling.replicas_per_worker ({self.replicas_per_worker}); e.g. set "
                 f"--scaling.replicas_per_worker={math.gcd(self.replicas, self.replicas_per_worker)}")
-        if self.workers_per_replica > 1:
+        if self.workers_per_replica > 1 and self.replicas_per_worker > 1:
             raise ValueError(
-                "scaling.workers_per_replica > 1 (a replica spread over several workers) is "
-                "not built yet; use --scaling.workers_per_replica=1")
+                f"scaling.workers_per_replica ({self.workers_per_replica}) > 1 spreads one "
+                "replica over several workers, so each worker hosts exactly one: set "
+                "--scaling.replicas_per_worker=1")
         return self
 
     @property
@@ -193,6 +194,12 @@ class OuterConfig(_Section):
         None, description="ties/dare: prune entries, whole rows or whole columns")
     rescale: bool | None = Field(None, description="ties/dare: rescale kept entries by 1/(1-p)")
     disjoint: bool | None = Field(None, description="ties/dare: TIES sign-elected disjoint merge")
+    placement: Literal["sharded", "rank0", "replicated"] = Field(
+        "sharded", description="who merges each tensor: sharded (owners spread over the workers, "
+        "balanced by cost), rank0 (one worker merges all), replicated (every worker merges all)")
+    comm_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype pseudo-gradients and updates travel in; bfloat16 halves "
+        "the bytes (merges still run in float32 or float64)")
 
 
 class WandbConfig(_Section):
@@ -293,6 +300,16 @@ class TrainConfig(_Section):
                     "replicas)")
         elif self.run.rounds is None:
             self.run.rounds = 12
+        # A replica spread over G workers gives each batch_size / G rows of every batch.
+        rows = self.data.batch_size // self.scaling.workers_per_replica
+        if self.data.micro_batch_size > rows > 0:
+            self.data.micro_batch_size = rows
+        if self.data.batch_size % self.scaling.workers_per_replica or rows % self.data.micro_batch_size:
+            raise ValueError(
+                f"data.batch_size ({self.data.batch_size}) must split evenly over "
+                f"scaling.workers_per_replica ({self.scaling.workers_per_replica}) workers into "
+                f"whole micro-batches of data.micro_batch_size ({self.data.micro_batch_size}); "
+                "e.g. set --data.micro_batch_size=1")
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(
                 f"data.seq_len ({self.data.seq_len}) exceeds the model's context "
@@ -423,6 +440,8 @@ def load_config(args: list[str], prog: str = "python -m isoloco_ray.train") -> T
 
 # What a resumed run must share with the run that wrote its checkpoint: these define the math.
 RESUME_MUST_MATCH = ("model", "data", "scaling", "inner", "outer")
+# Within those, what a resumed run may change: it moves work between workers, not the math.
+RESUME_MAY_CHANGE = ("outer.placement",)
 
 
 def config_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:
@@ -430,6 +449,7 @@ def config_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]
     that a resumed run must not change."""
     now = current.model_dump(mode="json")
     differing = [f"{section}.{key}" for section in RESUME_MUST_MATCH for key in now[section]
-                 if saved.get(section, {}).get(key) != now[section][key]]
+                 if saved.get(section, {}).get(key) != now[section][key]
+                 and f"{section}.{key}" not in RESUME_MAY_CHANGE]
     return differing + [f"run.{key}" for key in ("rounds", "seed")
                         if saved.get("run", {}).get(key) != now["run"][key]]

@@ -42,7 +42,7 @@ def test_checkpoint_holds_every_replica_and_loads_without_pickle(small_dataset, 
     run_local(cfg, small_dataset, checkpoints=tmp_path)
     directory = tmp_path / "round_000002"
     assert sorted(p.name for p in directory.iterdir()) == [
-        "global.safetensors", "outer.safetensors", "replica_0000.pt", "replica_0001.pt",
+        "global.safetensors", "outer_0000.safetensors", "replica_0000.pt", "replica_0001.pt",
         "rng.safetensors", "state.json"]
     params, outer_state, state = checkpoint.load_shared(directory)
     assert state["round"] == 2 and outer_state["step"] == 2

@@ -47,24 +47,37 @@ class OuterOptimizer:
             raise ValueError(f"params and directions must have the same names; differing: "
                              f"{missing}")
         for name, param in params.items():
-            g = directions[name]
-            if g.shape != param.shape:
-                raise ValueError(f"direction {name!r} has shape {tuple(g.shape)}, the parameter "
-                                 f"{tuple(param.shape)}")
-            g = g.to(device=param.device, dtype=torch.float32)
-            u = g
-            if self.momentum > 0.0:
-                buf = self.buffers.get(name)
-                if buf is None:
-                    buf = self.buffers[name] = g.clone()
-                else:
-                    if buf.device != g.device:  # e.g. loaded from a checkpoint on CPU
-                        buf = self.buffers[name] = buf.to(g.device)
-                    buf.mul_(self.momentum).add_(g)
-                u = g.add(buf, alpha=self.momentum) if self.nesterov else buf
-            if self.orthogonalize_update and u.dim() == 2:
-                u = isoc(u)
-            param.add_(u.to(param.dtype), alpha=-self.lr)
+            if directions[name].shape != param.shape:
+                raise ValueError(f"direction {name!r} has shape {tuple(directions[name].shape)}, "
+                                 f"the parameter {tuple(param.shape)}")
+        self.apply(params, {name: self.update(name, directions[name].to(param.device))
+                            for name, param in params.items()})
+
+    @torch.no_grad()
+    def update(self, name: str, direction: Tensor) -> Tensor:
+        """The float32 update u of one tensor from its merged direction g, advancing its
+        momentum buffer. `step` is `update` for every tensor, then `apply`; calling them
+        apart lets each tensor's update be computed where its momentum lives (one owner rank)."""
+        g = direction.to(torch.float32)
+        u = g
+        if self.momentum > 0.0:
+            buf = self.buffers.get(name)
+            if buf is None:
+                buf = self.buffers[name] = g.clone()
+            else:
+                if buf.device != g.device:  # e.g. loaded from a checkpoint on CPU
+                    buf = self.buffers[name] = buf.to(g.device)
+                buf.mul_(self.momentum).add_(g)
+            u = g.add(buf, alpha=self.momentum) if self.nesterov else buf.clone()
+        if self.orthogonalize_update and u.dim() == 2:
+            u = isoc(u)
+        return u
+
+    @torch.no_grad()
+    def apply(self, params: Mapping[str, Tensor], updates: Mapping[str, Tensor]) -> None:
+        """θ ← θ − lr·u for every tensor of `params` (in place); counts one step."""
+        for name, param in params.items():
+            param.add_(updates[name].to(device=param.device, dtype=param.dtype), alpha=-self.lr)
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:

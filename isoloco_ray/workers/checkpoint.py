@@ -4,7 +4,8 @@ A checkpoint is one directory, written by every worker (Ray Train merges the wor
 
     state.json                 round, counters, the config, RNG states (rank 0)
     global.safetensors         θ_t, the global parameters (rank 0)
-    outer.safetensors          outer momentum buffers, if any (rank 0)
+    outer_NNNN.safetensors     outer momentum buffers, if any, by the outer-group rank NNNN
+                               that holds them (DESIGN.md: the owner of each tensor)
     rng.safetensors            torch's CPU RNG state (rank 0)
     replica_NNNN.pt            replica NNNN's AdamW state, LR schedule and stream position
                                (its host; loaded with torch.load(weights_only=True))
@@ -28,7 +29,7 @@ from safetensors.torch import load_file, save_file
 FORMAT = 1
 STATE_FILE = "state.json"
 GLOBAL_FILE = "global.safetensors"
-OUTER_FILE = "outer.safetensors"
+OUTER_PATTERN = "outer*.safetensors"
 RNG_FILE = "rng.safetensors"
 
 
@@ -66,17 +67,27 @@ def set_rng_state(as_json: Mapping[str, Any], tensors: Mapping[str, torch.Tensor
     torch.set_rng_state(tensors["torch"])
 
 
+def outer_file(shard: int) -> str:
+    """File name of the outer momentum buffers one outer-group rank holds."""
+    return f"outer_{shard:04d}.safetensors"
+
+
 def save_shared(directory: Path, global_params: Mapping[str, torch.Tensor],
                 outer_state: Mapping[str, Any], state: Mapping[str, Any]) -> None:
-    """Rank 0's part: global parameters, outer optimizer, counters and RNG states."""
+    """Rank 0's part: global parameters, outer optimizer settings and step, counters and RNG
+    states (the momentum buffers go through `save_outer_momentum`)."""
     save_file({k: v.contiguous() for k, v in global_params.items()}, directory / GLOBAL_FILE)
-    buffers = outer_state["buffers"]
-    save_file({k: v.contiguous() for k, v in buffers.items()}, directory / OUTER_FILE)
     rng_json, rng_tensors = rng_state()
     save_file(rng_tensors, directory / RNG_FILE)
     outer_scalars = {k: v for k, v in outer_state.items() if k != "buffers"}
     (directory / STATE_FILE).write_text(json.dumps(
         {"format": FORMAT, **state, "outer": outer_scalars, "rng": rng_json}, indent=1))
+
+
+def save_outer_momentum(directory: Path, shard: int, buffers: Mapping[str, torch.Tensor]
+                        ) -> None:
+    """The outer momentum buffers outer-group rank `shard` holds."""
+    save_file({k: v.contiguous() for k, v in buffers.items()}, directory / outer_file(shard))
 
 
 def save_replica(directory: Path, replica: int, replica_state: Mapping[str, Any]) -> None:
@@ -86,9 +97,9 @@ def save_replica(directory: Path, replica: int, replica_state: Mapping[str, Any]
 
 def load_shared(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any],
                                           dict[str, Any]]:
-    """(global params, outer optimizer state, state.json) of a checkpoint; RNG states restored."""
-    missing = [f for f in (STATE_FILE, GLOBAL_FILE, OUTER_FILE, RNG_FILE)
-               if not (directory / f).is_file()]
+    """(global params, outer optimizer state, state.json) of a checkpoint; RNG states restored.
+    The outer state's "buffers" are every momentum file's together."""
+    missing = [f for f in (STATE_FILE, GLOBAL_FILE, RNG_FILE) if not (directory / f).is_file()]
     if missing:
         raise FileNotFoundError(f"checkpoint {directory} is incomplete: missing {missing}")
     state = json.loads((directory / STATE_FILE).read_text())
@@ -96,7 +107,10 @@ def load_shared(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
         raise ValueError(f"checkpoint {directory} has format {state.get('format')}, "
                          f"this version reads {FORMAT}")
     set_rng_state(state.pop("rng"), load_file(directory / RNG_FILE))
-    outer_state = {**state.pop("outer"), "buffers": load_file(directory / OUTER_FILE)}
+    buffers: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob(OUTER_PATTERN)):
+        buffers.update(load_file(path))
+    outer_state = {**state.pop("outer"), "buffers": buffers}
     return load_file(directory / GLOBAL_FILE), outer_state, state
 
 

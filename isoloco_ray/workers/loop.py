@@ -24,9 +24,11 @@ from isoloco_ray.config import TrainConfig, config_differences
 from isoloco_ray.data.format import DatasetMeta, load_tokenizer, split_files
 from isoloco_ray.data.stream import EpochReader, ReplicaStream
 from isoloco_ray.workers import checkpoint
-from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_strings,
-                                             all_reduce_scalars, all_reduce_sum)
+from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_scalars,
+                                             all_gather_strings, all_reduce_scalars,
+                                             all_reduce_sum)
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
+from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
 from isoloco_ray.workers.outer_sync import OuterStepStats, OuterSync
 from isoloco_ray.workers.replica import (Replica, accumulate_gradients, load_parameters,
@@ -57,35 +59,37 @@ class WorkerEnv:
 class Trainer:
     """One worker's training state; everything listed here is what a checkpoint holds."""
 
+    layout: WorkerLayout  # hosted replicas and process groups (not state: rebuilt at start)
     model: nn.Module  # scratch module the hosted replicas take turns in
     global_params: dict[str, torch.Tensor]  # θ_t, identical on every worker
     replicas: list[Replica]  # the replicas this worker hosts (their AdamW, schedule, stream)
-    outer: OuterSync  # outer optimizer (momentum buffers)
+    outer: OuterSync  # outer optimizer (the momentum buffers of the tensors this rank owns)
     round: int  # outer rounds completed
     initial_eval_loss: float | None
     last_eval_loss: float | None
     train_seconds: float
     first_round_seconds: float
-    bytes_total: int  # outer bytes this rank received so far
+    bytes_total: int  # outer bytes the busiest rank received, summed over rounds
     bad_rounds: int  # consecutive rounds skipped because every replica diverged
 
     def __init__(self, cfg: TrainConfig, data_dir: Path, env: WorkerEnv) -> None:
         self.cfg = cfg
         self.env = env
+        self.layout = WorkerLayout.create(cfg.scaling, env.rank, env.world)
         meta = DatasetMeta.load(data_dir)
         self.model = build_model(cfg.model, meta.vocab_size, cfg.run.seed).to(env.device)
         self.runtime = Runtime.create(self.model, env.device, cfg.run.autocast, cfg.run.compile)
         self.global_params = snapshot_parameters(self.model)
         total_steps = cfg.run.rounds * cfg.inner.steps
-        per_worker = cfg.scaling.replicas_per_worker
         fused = env.device.type == "cuda"
         self.replicas = [
             Replica(r, self.model, cfg.inner, total_steps,
                     ReplicaStream(env.read_epoch(r), cfg.data.seq_len, cfg.data.batch_size),
                     fused=fused)
-            for r in range(env.rank * per_worker, (env.rank + 1) * per_worker)
+            for r in self.layout.hosted
         ]
-        self.outer = OuterSync(cfg.outer, cfg.scaling.replicas, cfg.run.seed)
+        self.outer = OuterSync(cfg.outer, cfg.scaling.replicas, cfg.run.seed,
+                               self.layout.outer_group)
         self.round = 0
         self.initial_eval_loss = self.last_eval_loss = None
         self.train_seconds = self.first_round_seconds = 0.0
@@ -104,8 +108,13 @@ class Trainer:
             counters = {key: getattr(self, key) for key in (
                 "round", "initial_eval_loss", "last_eval_loss", "train_seconds",
                 "first_round_seconds", "bytes_total", "bad_rounds")}
-            checkpoint.save_shared(directory, self.global_params, self.outer.optimizer.state_dict(),
+            checkpoint.save_shared(directory, self.global_params, self.outer.state_dict(),
                                    {**counters, "config": self.cfg.model_dump(mode="json")})
+        if not self.layout.saves_replicas:
+            return  # the replica's first worker saves what all its workers hold alike
+        if self.outer.rank == 0 or self.cfg.outer.placement != "replicated":
+            checkpoint.save_outer_momentum(directory, self.outer.rank,
+                                           self.outer.state_dict()["buffers"])
         for replica in self.replicas:
             checkpoint.save_replica(directory, replica.index, replica.state_dict())
 
@@ -121,7 +130,7 @@ class Trainer:
         # In the model's order (safetensors returns names sorted): merges visit tensors in it.
         self.global_params = {name: params[name].to(self.env.device)
                               for name in self.global_params}
-        self.outer.optimizer.load_state_dict(outer_state)
+        self.outer.load_state_dict(outer_state, {n: p.shape for n, p in params.items()})
         for key, value in state.items():
             setattr(self, key, value)
         for replica in self.replicas:
@@ -148,14 +157,15 @@ class Trainer:
     def diloco_round(self) -> tuple[float, float, OuterStepStats]:
         """H inner steps on every hosted replica, then the outer step.
 
-        Returns (sum of the finite replicas' mean losses on this rank, inner seconds, stats).
+        Returns (sum of the finite replicas' mean losses on this rank, counted by the first
+        worker of each replica only, inner seconds, stats).
         """
         started = time.perf_counter()
         deltas, losses = {}, {}
         for replica in self.replicas:
             deltas[replica.index], losses[replica.index] = replica.run_inner_steps(
                 self.model, self.runtime, self.global_params, self.cfg.inner.steps,
-                self.cfg.data.micro_batch_size)
+                self.cfg.data.micro_batch_size, self.layout.shard)
             if self.env.after_replica is not None:
                 self.env.after_replica(self.round, replica.index)
         inner_seconds = time.perf_counter() - started
@@ -164,28 +174,35 @@ class Trainer:
         for replica in self.replicas:
             if replica.index in stats.dropped:
                 replica.reset_optimizer()
-        return sum(loss for r, loss in losses.items() if r not in stats.dropped), \
+        counted = self.layout.position == 0
+        return sum(loss for r, loss in losses.items() if r not in stats.dropped and counted), \
             inner_seconds, stats
 
     def data_parallel_round(self) -> tuple[float, float, OuterStepStats]:
         """adamw_ddp: H data-parallel AdamW steps on the global model, gradients averaged over
-        all R replicas' batches every step (replica 0's optimizer is the one optimizer)."""
+        all R replicas' batches every step (replica 0's optimizer is the one optimizer; a
+        replica spread over G workers gives each its rows of the replica's batch)."""
         stats, traffic = OuterStepStats(), TrafficCounter()
         optimizer, schedule = self.replicas[0].optimizer, self.replicas[0].schedule
         params = list(self.model.parameters())
+        shard = self.layout.shard
+        shares = self.cfg.scaling.replicas * self.cfg.scaling.workers_per_replica
         load_parameters(self.model, self.global_params)
         started = time.perf_counter()
         loss_sum = torch.zeros((), device=self.env.device)
         for _ in range(self.cfg.inner.steps):
             optimizer.zero_grad(set_to_none=True)
             for replica in self.replicas:  # gradients of the hosted batches add up in .grad
-                loss_sum += accumulate_gradients(self.runtime, replica.stream.next_batch(),
+                batch = replica.stream.next_batch()
+                if shard is not None:
+                    batch = shard.rows(batch)
+                loss_sum += accumulate_gradients(self.runtime, batch,
                                                  self.cfg.data.micro_batch_size)
             computed = time.perf_counter()
             all_reduce_sum([p.grad for p in params], traffic)
             stats.comm_seconds += time.perf_counter() - computed
             for p in params:
-                p.grad /= self.cfg.scaling.replicas
+                p.grad /= shares
             if self.cfg.inner.clip is not None:
                 nn.utils.clip_grad_norm_(params, self.cfg.inner.clip)
             optimizer.step()
@@ -193,7 +210,9 @@ class Trainer:
         inner_seconds = time.perf_counter() - started - stats.comm_seconds
         self.global_params = snapshot_parameters(self.model)
         stats.bytes_received = traffic.take()
-        return loss_sum.item() / self.cfg.inner.steps, inner_seconds, stats
+        # Every worker's loss is over its share: the world's sum, / G, is the replicas' sum.
+        return (loss_sum.item() / self.cfg.inner.steps / self.cfg.scaling.workers_per_replica,
+                inner_seconds, stats)
 
     def run(self) -> Metrics:
         """Train until cfg.run.rounds rounds are done; returns the final metrics (every rank),
@@ -230,9 +249,13 @@ class Trainer:
             self.train_seconds += seconds
             if self.round == 1:
                 self.first_round_seconds = seconds
-            self.bytes_total += stats.bytes_received
             good = cfg.scaling.replicas - len(stats.dropped)
             (loss_sum,) = all_reduce_scalars([loss_sum], env.device)
+            # Per rank: the outer sync's load differs between ranks (owners, rank0).
+            by_rank = all_gather_scalars(
+                [stats.bytes_received, stats.comm_seconds, stats.merge_seconds], env.device)
+            bytes_by_rank = [int(values[0]) for values in by_rank]
+            self.bytes_total += max(bytes_by_rank)
             metrics: Metrics = {
                 "round": self.round,
                 "tokens": self.round * cfg.tokens_per_round,
@@ -240,9 +263,11 @@ class Trainer:
                 "tokens_per_s": cfg.tokens_per_round / seconds,
                 "round_seconds": seconds,
                 "inner_seconds": inner_seconds,
-                "outer_comm_seconds": stats.comm_seconds,
-                "outer_merge_seconds": stats.merge_seconds,
-                "outer_bytes_received": stats.bytes_received,
+                # The slowest / busiest rank's figures: the round waits for it.
+                "outer_comm_seconds": max(values[1] for values in by_rank),
+                "outer_merge_seconds": max(values[2] for values in by_rank),
+                "outer_bytes_received": max(bytes_by_rank),
+                "outer_bytes_by_rank": bytes_by_rank,
                 "dropped_replicas": stats.dropped,
                 "state_hash": self.check_workers_agree(),
             }

@@ -1,9 +1,18 @@
 """The outer step: R pseudo-gradients in, one update of the global parameters out.
 
-Communication follows the strategy (DESIGN.md, "Outer sync"). Mean-only strategies need only
-the replicas' sum: each worker sums the replicas it hosts, then one bucketed all-reduce. The
-per-replica merges (tsv, isocts, ties) need every Δ_r of a tensor in one place; for now every
-rank gathers all of them and merges (the same result everywhere, no broadcast needed).
+Communication follows the strategy (DESIGN.md, "Outer sync"). Each rank of the outer group
+hosts L = R / ranks replicas and contributes, per tensor, a payload: the sum of its good
+replicas' Δ_r for the mean-only strategies, every hosted Δ_r for the per-replica merges.
+
+- sharded / rank0 placement: every tensor has an owner rank (outer_plan.py). One all-to-all
+  per bucket carries each payload to the tensor's owner; the owner merges (in float32 or
+  float64), advances the tensor's outer momentum and computes its update u; each owner then
+  broadcasts its updates. Outer momentum lives only with the tensor's owner (as ZeRO-1 shards
+  optimizer state), so a rank holds 1/ranks of it under sharded placement.
+- replicated: every rank gets every payload (an all-reduce of the sums for mean-only
+  strategies in float32, an all-gather otherwise) and computes every update itself.
+
+Every rank then applies θ ← θ − lr·u to all tensors, so all end bit-identical.
 """
 
 from __future__ import annotations
@@ -17,11 +26,18 @@ import torch
 
 from isoloco_ray import aggregators
 from isoloco_ray.config import OuterConfig
-from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_stacked, all_reduce_scalars,
-                                             all_reduce_sum)
+from isoloco_ray.workers.collectives import (Group, TrafficCounter, all_gather_flat,
+                                             all_reduce_scalars, all_reduce_sum, all_to_all_flat,
+                                             broadcast_flat, buckets, flatten, group_rank,
+                                             group_size, unflatten)
+from isoloco_ray.workers.outer_plan import OuterPlan
 
 MEAN_ONLY = ("diloco", "diloco_sgd", "isoc", "isoloco", "dare")
 PER_REPLICA = ("tsv", "isocts", "ties")
+COMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# name -> (source rank -> that rank's payload tensors of the name)
+Contributions = dict[str, list[list[torch.Tensor]]]
 
 
 @dataclass
@@ -47,6 +63,18 @@ def merge_options(outer: OuterConfig) -> dict:
     return {key: getattr(outer, key) for key in keys}
 
 
+def merge_name(outer: OuterConfig) -> str:
+    """The aggregators' merge an outer strategy applies to the gathered pseudo-gradients (for
+    mean-only strategies: to the mean)."""
+    if outer.strategy in ("diloco", "diloco_sgd"):
+        return "mean"
+    if outer.strategy == "isoloco":
+        return "isoc" if outer.orthogonalize == "gradient" else "mean"
+    if outer.strategy == "dare" and not outer.disjoint:
+        return "mean"  # of the replicas' sparsified Δ_r, pruned where they are hosted
+    return outer.strategy
+
+
 def pruning_generator(seed: int, round_index: int, replica: int, tensor: str
                       ) -> torch.Generator:
     """The random-pruning stream of one replica's tensor in one round.
@@ -59,23 +87,70 @@ def pruning_generator(seed: int, round_index: int, replica: int, tensor: str
     return torch.Generator().manual_seed(key)
 
 
+def _clock(device: torch.device) -> float:
+    """perf_counter after the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class OuterSync:
-    """Turns the hosted replicas' Δ_r into the global update; holds the outer optimizer state."""
+    """Turns the hosted replicas' Δ_r into the global update; holds this rank's share of the
+    outer optimizer state (momentum of the tensors it owns; all of them when replicated)."""
 
     optimizer: aggregators.OuterOptimizer
 
-    def __init__(self, outer: OuterConfig, replicas: int, seed: int) -> None:
+    def __init__(self, outer: OuterConfig, replicas: int, seed: int, group: Group = None
+                 ) -> None:
         self.outer = outer
         self.replicas = replicas
         self.seed = seed
-        isoloco_update = outer.strategy == "isoloco" and outer.orthogonalize == "update"
+        self.group = group
+        self.ranks, self.rank = group_size(group), group_rank(group)
+        if replicas % self.ranks:
+            raise ValueError(f"{replicas} replicas cannot be spread evenly over an outer group "
+                             f"of {self.ranks} ranks")
+        self.hosted_per_rank = replicas // self.ranks
+        self.merge = merge_name(outer)
+        self.mean_only = self.merge in ("mean", "isoc")
+        self.comm_dtype = COMM_DTYPES[outer.comm_dtype]
         self.optimizer = aggregators.OuterOptimizer(
             lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov,
-            orthogonalize_update=isoloco_update)
+            orthogonalize_update=outer.strategy == "isoloco" and outer.orthogonalize == "update")
         self.traffic = TrafficCounter()
-        # DARE's plain mean needs only the sum; its TIES-style disjoint variant needs every Δ_r.
-        self.mean_only = outer.strategy in MEAN_ONLY and not (
-            outer.strategy == "dare" and outer.disjoint)
+        self._plan: OuterPlan | None = None
+
+    def plan(self, shapes: Mapping[str, torch.Size]) -> OuterPlan:
+        """Owners of the tensors of `shapes` (built on first use; the same every round)."""
+        if self._plan is None:
+            self._plan = OuterPlan.build(shapes, self.merge, self.replicas, self.ranks,
+                                         self.outer.placement,
+                                         self.optimizer.orthogonalize_update)
+        return self._plan
+
+    def holds_momentum(self, name: str) -> bool:
+        """Whether this rank keeps (and checkpoints) the momentum of tensor `name`."""
+        if self.outer.placement == "replicated":
+            return True
+        return self._plan is not None and self._plan.owners[name] == self.rank
+
+    def state_dict(self) -> dict:
+        """The outer optimizer's state with the momentum buffers this rank holds."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: Mapping, shapes: Mapping[str, torch.Size]) -> None:
+        """Restore from a checkpoint's outer state whose "buffers" hold every saved buffer
+        (all ranks' files together), keeping those this rank holds under the current plan.
+        Raises ValueError if momentum buffers are missing."""
+        self.plan(shapes)
+        buffers = state["buffers"]
+        if self.optimizer.momentum > 0 and state["step"] > 0:
+            missing = sorted(set(shapes) - set(buffers))
+            if missing:
+                raise ValueError(f"the checkpoint lacks the outer momentum of {len(missing)} "
+                                 f"tensors (e.g. {missing[0]!r}): a file is missing")
+        self.optimizer.load_state_dict({**state, "buffers": {
+            name: buf for name, buf in buffers.items() if self.holds_momentum(name)}})
 
     def step(self, global_params: dict[str, torch.Tensor],
              hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
@@ -87,19 +162,40 @@ class OuterSync:
         With none left the round is skipped: parameters and momentum stay as they were.
         """
         stats = OuterStepStats()
-        names = list(global_params)
         good = self._good_replicas(hosted, diverged)
         stats.dropped = [r for r in range(self.replicas) if r not in good]
         if not good:
             stats.skipped = True
             return stats
-        if self.mean_only:
-            directions = self._mean_only(names, hosted, good, round_index, stats)
+        plan = self.plan({name: t.shape for name, t in global_params.items()})
+        device = next(iter(global_params.values())).device
+        started = _clock(device)
+        payload = self._payload(hosted, good, round_index)
+        merge_seconds = _clock(device) - started
+        if self.outer.placement == "replicated":
+            started = _clock(device)
+            contributions = self._gather_everything(payload)
+            stats.comm_seconds += _clock(device) - started
+            started = _clock(device)
+            updates = self._updates(contributions, good, round_index)
+            merge_seconds += _clock(device) - started
         else:
-            directions = self._per_replica(names, hosted, good, round_index, stats)
-        self.optimizer.step(global_params, directions)
+            started = _clock(device)
+            contributions = self._send_to_owners(payload, plan)
+            stats.comm_seconds += _clock(device) - started
+            started = _clock(device)
+            owned_updates = self._updates(contributions, good, round_index)
+            merge_seconds += _clock(device) - started
+            started = _clock(device)
+            updates = self._broadcast_from_owners(owned_updates, global_params, plan)
+            stats.comm_seconds += _clock(device) - started
+        started = _clock(device)
+        self.optimizer.apply(global_params, updates)
+        stats.merge_seconds = merge_seconds + _clock(device) - started
         stats.bytes_received = self.traffic.take()
         return stats
+
+    # -- what each rank contributes ------------------------------------------------------------
 
     def _good_replicas(self, hosted: Mapping[int, Mapping[str, torch.Tensor]],
                        diverged: Collection[int]) -> list[int]:
@@ -110,60 +206,133 @@ class OuterSync:
                 bool(torch.isfinite(t).all()) for t in delta.values())
             flags[replica] = 1.0 if finite else 0.0
         device = next(iter(next(iter(hosted.values())).values())).device
-        return [r for r, flag in enumerate(all_reduce_scalars(flags, device)) if flag > 0.5]
+        summed = all_reduce_scalars(flags, device, self.group)
+        return [r for r, flag in enumerate(summed) if flag > 0.5]
 
-    def _mean_only(self, names: Sequence[str], hosted: Mapping[int, Mapping[str, torch.Tensor]],
-                   good: Sequence[int], round_index: int, stats: OuterStepStats
-                   ) -> dict[str, torch.Tensor]:
-        strategy = self.outer.strategy
-        started = time.perf_counter()
-        total = {name: torch.zeros_like(next(iter(hosted.values()))[name]) for name in names}
-        for replica, delta in hosted.items():
-            if replica not in good:
-                continue
-            for name in names:
-                if strategy == "dare" and delta[name].dim() == 2:
-                    # The sum of sparsified Δ_r is all DARE's mean needs: prune before reducing.
-                    total[name] += aggregators.sparsify(
-                        delta[name], self.outer.sparsity, prune=self.outer.prune,
+    def _payload(self, hosted: Mapping[int, Mapping[str, torch.Tensor]], good: Sequence[int],
+                 round_index: int) -> dict[str, list[torch.Tensor]]:
+        """Per tensor, what this rank sends: [Σ of its good replicas' Δ_r] (mean-only), or
+        every hosted Δ_r in replica order (bad ones too; the merge leaves them out)."""
+        order = sorted(hosted)
+        names = list(hosted[order[0]])
+        if not self.mean_only:
+            return {name: [hosted[r][name] for r in order] for name in names}
+        payload = {}
+        for name in names:
+            total = torch.zeros_like(hosted[order[0]][name])
+            for replica in order:
+                if replica not in good:
+                    continue
+                delta = hosted[replica][name]
+                if self.outer.strategy == "dare" and delta.dim() == 2:
+                    # DARE's mean needs only the sum of sparsified Δ_r: prune where hosted.
+                    delta = aggregators.sparsify(
+                        delta, self.outer.sparsity, prune=self.outer.prune,
                         prune_dim=self.outer.prune_dim, rescale=self.outer.rescale,
                         generator=pruning_generator(self.seed, round_index, replica, name))
+                total += delta
+            payload[name] = [total]
+        return payload
+
+    # -- moving payloads -----------------------------------------------------------------------
+
+    def _gather_everything(self, payload: Mapping[str, list[torch.Tensor]]) -> Contributions:
+        """Every rank's payload of every tensor, on every rank (replicated placement)."""
+        names = list(payload)
+        if self.mean_only and self.comm_dtype == torch.float32:
+            totals = [payload[name][0].clone() for name in names]
+            all_reduce_sum(totals, self.traffic, self.group)
+            return {name: [[total]] for name, total in zip(names, totals)}
+        copies = len(next(iter(payload.values())))
+        contributions: Contributions = {name: [[] for _ in range(self.ranks)] for name in names}
+        sizes = [copies * payload[n][0].numel() * self.comm_dtype.itemsize for n in names]
+        for index in buckets(sizes):
+            chunk = [names[i] for i in index]
+            local = self._pack(payload, chunk)
+            for source, flat in enumerate(all_gather_flat(local, self.traffic, self.group)):
+                self._unpack(flat, payload, chunk, contributions, source)
+        return contributions
+
+    def _send_to_owners(self, payload: Mapping[str, list[torch.Tensor]], plan: OuterPlan
+                        ) -> Contributions:
+        """Every rank's payload of the tensors this rank owns (all-to-all, bucketed)."""
+        copies = len(next(iter(payload.values())))
+        numels = {name: tensors[0].numel() for name, tensors in payload.items()}
+        contributions: Contributions = {name: [[] for _ in range(self.ranks)]
+                                        for name in plan.owned[self.rank]}
+        for step in plan.transfer_steps(numels, self.comm_dtype.itemsize, copies):
+            outgoing = [self._pack(payload, names) for names in step]
+            mine = step[self.rank]
+            size = copies * sum(numels[name] for name in mine)
+            incoming = all_to_all_flat(outgoing, [size] * self.ranks, self.traffic, self.group)
+            for source, flat in enumerate(incoming):
+                self._unpack(flat, payload, mine, contributions, source)
+        return contributions
+
+    def _broadcast_from_owners(self, owned: Mapping[str, torch.Tensor],
+                               params: Mapping[str, torch.Tensor], plan: OuterPlan
+                               ) -> dict[str, torch.Tensor]:
+        """Every tensor's update, from its owner, on every rank: the owner's too goes through
+        comm_dtype, so all ranks apply the same values."""
+        numels = {name: p.numel() for name, p in params.items()}
+        updates = {}
+        device = next(iter(params.values())).device
+        for step in plan.transfer_steps(numels, self.comm_dtype.itemsize):
+            for owner, names in enumerate(step):
+                if not names:
+                    continue
+                if owner == self.rank:
+                    flat = flatten([owned[name] for name in names], self.comm_dtype, device)
                 else:
-                    total[name] += delta[name]
-        stats.merge_seconds += time.perf_counter() - started
+                    flat = torch.empty(sum(numels[n] for n in names), dtype=self.comm_dtype,
+                                       device=device)
+                broadcast_flat(flat, owner, self.traffic, self.group)
+                for name, value in zip(names, unflatten(flat, [params[n].shape for n in names])):
+                    updates[name] = value.float()
+        return updates
 
-        started = time.perf_counter()
-        all_reduce_sum([total[name] for name in names], self.traffic)
-        stats.comm_seconds += time.perf_counter() - started
+    def _pack(self, payload: Mapping[str, list[torch.Tensor]], names: Sequence[str]
+              ) -> torch.Tensor:
+        device = next(iter(payload.values()))[0].device
+        return flatten([t for name in names for t in payload[name]], self.comm_dtype, device)
 
-        started = time.perf_counter()
-        mean = {name: total[name] / len(good) for name in names}
-        if strategy == "isoc" or (strategy == "isoloco" and self.outer.orthogonalize == "gradient"):
-            mean = aggregators.merge_all("isoc", {name: [m] for name, m in mean.items()})
-        stats.merge_seconds += time.perf_counter() - started
-        return mean
-
-    def _per_replica(self, names: Sequence[str],
-                     hosted: Mapping[int, Mapping[str, torch.Tensor]], good: Sequence[int],
-                     round_index: int, stats: OuterStepStats) -> dict[str, torch.Tensor]:
-        started = time.perf_counter()
-        order = sorted(hosted)
-        # Replica r sits at position r of the gathered list: ranks host contiguous replicas.
-        gathered = {}
+    @staticmethod
+    def _unpack(flat: torch.Tensor, payload: Mapping[str, list[torch.Tensor]],
+                names: Sequence[str], into: Contributions, source: int) -> None:
+        shapes = [t.shape for name in names for t in payload[name]]
+        views = iter(unflatten(flat, shapes))
         for name in names:
-            every_replica = all_gather_stacked([hosted[r][name] for r in order], self.traffic)
-            gathered[name] = [every_replica[r] for r in good]
-        stats.comm_seconds += time.perf_counter() - started
+            into[name][source] = [next(views) for _ in payload[name]]
 
-        started = time.perf_counter()
+    # -- merging -------------------------------------------------------------------------------
+
+    def _updates(self, contributions: Contributions, good: Sequence[int], round_index: int
+                 ) -> dict[str, torch.Tensor]:
+        """The outer update u of every tensor in `contributions`: merge, then momentum."""
+        if self.mean_only:
+            means = {}
+            for name, sources in contributions.items():
+                total = sources[0][0].to(torch.float32, copy=True)
+                for source in sources[1:]:
+                    total += source[0]
+                means[name] = total / len(good)
+            directions = (means if self.merge == "mean" else
+                          aggregators.merge_all(self.merge, {n: [m] for n, m in means.items()}))
+        else:
+            # Replica r is payload tensor r % L of rank r // L: ranks host contiguous replicas.
+            per_rank = self.hosted_per_rank
+            gathered = {name: [sources[r // per_rank][r % per_rank].float() for r in good]
+                        for name, sources in contributions.items()}
+            directions = self._merge_gathered(gathered, round_index)
+        return {name: self.optimizer.update(name, g) for name, g in directions.items()}
+
+    def _merge_gathered(self, gathered: dict[str, list[torch.Tensor]], round_index: int
+                        ) -> dict[str, torch.Tensor]:
         options = merge_options(self.outer)
         if options.get("prune") == "random":
             # One stream per tensor (see pruning_generator); replica -1: the merge's own draw.
-            merged = {name: aggregators.merge(
-                self.outer.strategy, gathered[name], **options,
+            return {name: aggregators.merge(
+                self.outer.strategy, deltas, **options,
                 generator=pruning_generator(self.seed, round_index, -1, name))
-                for name in names}
-        else:
-            merged = aggregators.merge_all(self.outer.strategy, gathered, **options)
-        stats.merge_seconds += time.perf_counter() - started
-        return merged
+                for name, deltas in gathered.items()}
+        return aggregators.merge_all(self.outer.strategy, gathered, **options)

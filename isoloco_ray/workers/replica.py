@@ -17,6 +17,7 @@ from torch import nn
 
 from isoloco_ray.config import InnerConfig
 from isoloco_ray.data.stream import ReplicaStream, StreamPosition
+from isoloco_ray.workers.layout import ReplicaShard
 from isoloco_ray.workers.model import Runtime
 
 
@@ -75,18 +76,24 @@ class Replica:
 
     def run_inner_steps(self, model: nn.Module, runtime: Runtime,
                         global_params: Mapping[str, torch.Tensor], steps: int,
-                        micro_batch_size: int) -> tuple[dict[str, torch.Tensor], float]:
+                        micro_batch_size: int, shard: ReplicaShard | None = None
+                        ) -> tuple[dict[str, torch.Tensor], float]:
         """Start from the global parameters, take `steps` AdamW steps, return (Δ_r, mean loss).
 
-        Δ_r = θ_global − θ_r (SPEC.md's pseudo-gradient), in float32.
+        Δ_r = θ_global − θ_r (SPEC.md's pseudo-gradient), in float32. With a `shard`, this
+        worker computes the gradients of its rows of each batch and averages them with the
+        replica's other workers, so every one of them takes the same steps.
         """
         load_parameters(model, global_params)
         model.train()
         losses = []
         for _ in range(steps):
             self.optimizer.zero_grad(set_to_none=True)
-            losses.append(accumulate_gradients(runtime, self.stream.next_batch(),
-                                               micro_batch_size))
+            batch = self.stream.next_batch()
+            losses.append(accumulate_gradients(
+                runtime, batch if shard is None else shard.rows(batch), micro_batch_size))
+            if shard is not None:
+                shard.average_gradients(model)
             if self._inner.clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), self._inner.clip)
             self.optimizer.step()
@@ -94,7 +101,8 @@ class Replica:
         with torch.no_grad():
             delta = {name: global_params[name] - p.detach().float()
                      for name, p in model.named_parameters()}
-        return delta, torch.stack(losses).mean().item()
+        loss = torch.stack(losses).mean().item()
+        return delta, loss if shard is None else shard.mean(loss, runtime.device)
 
     def state_dict(self) -> dict[str, Any]:
         """AdamW state, LR schedule and stream position: tensors and plain values only."""

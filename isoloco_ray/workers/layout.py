@@ -1,0 +1,94 @@
+"""Where a worker sits among R replicas (DESIGN.md, "Replica layout"): which replicas it hosts,
+and the process groups it talks in.
+
+With V replicas per worker, worker w hosts replicas w·V … w·V+V-1 one after another. With a
+replica spread over G workers (`scaling.workers_per_replica`), ranks g·G … g·G+G-1 hold
+replica g together, each taking 1/G of every batch and averaging gradients every inner step
+(data parallel, in the replica group); the outer sync runs among the workers at the same
+position of every replica (the outer group), so the G outer groups each do the whole outer
+step and reach the same parameters. Groups are built once, at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from isoloco_ray.config import ScalingConfig
+from isoloco_ray.workers.collectives import (Group, TrafficCounter, all_reduce_scalars,
+                                             all_reduce_sum)
+
+
+@dataclass(frozen=True)
+class ReplicaShard:
+    """This worker's part of a replica spread over `workers` workers."""
+
+    position: int  # 0 … workers-1 within the replica
+    workers: int
+    group: Group  # the replica's workers
+
+    def rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This worker's contiguous 1/workers of a replica batch."""
+        per_worker = len(batch) // self.workers
+        return batch[self.position * per_worker:(self.position + 1) * per_worker]
+
+    def average_gradients(self, model: nn.Module) -> None:
+        """Replace every .grad by its mean over the replica's workers: the gradient of the
+        whole batch's mean loss (every worker's rows have the same number of tokens)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        all_reduce_sum(grads, TrafficCounter(), self.group)
+        for grad in grads:
+            grad /= self.workers
+
+    def mean(self, value: float, device: torch.device) -> float:
+        """The mean of a per-worker scalar over the replica's workers."""
+        return all_reduce_scalars([value], device, self.group)[0] / self.workers
+
+
+@dataclass(frozen=True)
+class WorkerLayout:
+    """One worker's place in the run."""
+
+    rank: int
+    world: int
+    replicas_per_worker: int  # V
+    workers_per_replica: int  # G
+    shard: ReplicaShard | None  # None when a replica has a worker to itself (G = 1)
+    outer_group: Group  # None: the default group (G = 1)
+
+    @classmethod
+    def create(cls, scaling: ScalingConfig, rank: int, world: int) -> WorkerLayout:
+        """The layout of worker `rank`; with G > 1 this builds the process groups, so every
+        rank must call it, in the same order relative to other collectives."""
+        if world != scaling.num_workers:
+            raise ValueError(f"the run has {world} workers but the scaling section needs "
+                             f"R·G/V = {scaling.num_workers}")
+        per_replica = scaling.workers_per_replica
+        shard, outer_group = None, None
+        if per_replica > 1:
+            slots = world // per_replica
+            replica_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(s * per_replica, (s + 1) * per_replica)) for s in range(slots)])
+            outer_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(p, world, per_replica)) for p in range(per_replica)])
+            shard = ReplicaShard(rank % per_replica, per_replica, replica_group)
+        return cls(rank, world, scaling.replicas_per_worker, per_replica, shard, outer_group)
+
+    @property
+    def position(self) -> int:
+        """This worker's position within its replica (0 when G = 1)."""
+        return self.rank % self.workers_per_replica
+
+    @property
+    def hosted(self) -> range:
+        """The replicas this worker runs (all of each, or its share of one)."""
+        slot = self.rank // self.workers_per_replica
+        return range(slot * self.replicas_per_worker, (slot + 1) * self.replicas_per_worker)
+
+    @property
+    def saves_replicas(self) -> bool:
+        """The replica's workers hold identical state: the first one checkpoints it."""
+        return self.position == 0
