@@ -94,7 +94,8 @@ def format_progress(metrics: dict[str, Any], rounds: int) -> str:
         parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
         parts.append(f"inner {metrics['inner_seconds']:.1f}s comm "
                      f"{metrics['outer_comm_seconds']:.2f}s merge "
-                     f"{metrics['outer_merge_seconds']:.2f}s")
+                     f"{metrics['outer_merge_seconds']:.2f}s "
+                     f"{metrics['outer_bytes_received'] / 2**20:,.1f} MiB in")
     return " | ".join(parts)
 
 
@@ -140,7 +141,10 @@ def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any
                            "kill_at": os.environ.get("ISOLOCO_RAY_KILL_AT")},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker}),
+            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+            # Ranks are contiguous per node, so PACK keeps a replica's G workers (ranks
+            # g·G … g·G+G-1), which all-reduce every inner step, on one node.
+            placement_strategy="PACK"),
         run_config=ray.train.RunConfig(
             name=run_dir.name, storage_path=str(run_dir.parent), callbacks=list(callbacks),
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),

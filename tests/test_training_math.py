@@ -110,3 +110,20 @@ def test_gradient_accumulation_matches_whole_batch():
     torch.testing.assert_close(losses[1], losses[0])
     for whole, accumulated in zip(*grads):
         torch.testing.assert_close(accumulated, whole, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "tsv"])
+def test_replica_spread_over_two_workers_matches_one_worker(small_dataset, strategy):
+    """2 replicas × 2 workers (gradients averaged inside each replica every step, outer sync
+    among same-position workers) == 2 replicas × 1 worker, same per-replica batch."""
+    base = TINY + ["--scaling.replicas_per_worker=1", f"--outer.strategy={strategy}"]
+    whole = load_config(base)
+    spread = load_config(base + ["--scaling.workers_per_replica=2"])
+    assert spread.scaling.num_workers == 4
+    summary_whole, params_whole = run_local(whole, small_dataset)
+    summary_spread, params_spread = run_local(spread, small_dataset)
+    for name in params_whole:
+        torch.testing.assert_close(params_spread[name], params_whole[name], rtol=0, atol=1e-5)
+    assert summary_spread["final_eval_loss"] == pytest.approx(summary_whole["final_eval_loss"],
+                                                              abs=1e-5)
+    assert summary_spread["tokens"] == summary_whole["tokens"]

@@ -1,0 +1,283 @@
+"""The outer sync across ranks: every placement computes the same step, the traffic is what the
+cost model says, momentum lives with the owner, bfloat16 transport halves the bytes.
+
+R = 8 replicas on 4 gloo ranks (2 hosted each), against the same steps in one process."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from gloo_group import in_gloo_group
+from isoloco_ray.config import MODEL_PRESETS, load_config
+from isoloco_ray.workers.outer_plan import OuterPlan, assign_owners, merge_cost
+from isoloco_ray.workers.outer_sync import OuterSync
+
+REPLICAS, RANKS, ROUNDS = 8, 4, 3
+PLACEMENTS = ("sharded", "rank0", "replicated")
+SHAPES = {"embed": (48, 16), "q": (16, 16), "k": (8, 16), "norm": (16,), "up": (40, 16),
+          "down": (16, 40), "head": (48, 16)}
+VARIANTS = {
+    "diloco": [], "diloco_sgd": [], "isoc": [], "isoloco": [],
+    "isoloco_update": ["--outer.strategy=isoloco", "--outer.orthogonalize=update"],
+    "isocts": [], "tsv": [], "ties": [],
+    "ties_random_rows": ["--outer.strategy=ties", "--outer.prune=random",
+                         "--outer.prune_dim=row"],
+    "dare": [], "dare_disjoint": ["--outer.strategy=dare", "--outer.disjoint=true"],
+}
+BF16_VARIANTS = ("diloco", "tsv")
+DIVERGED = (1, 5)  # (round, replica): a NaN pseudo-gradient the step must leave out
+
+
+def variant_config(variant: str, placement: str, comm_dtype: str = "float32"):
+    flags = VARIANTS[variant] or [f"--outer.strategy={variant}"]
+    return load_config(flags + [f"--scaling.replicas={REPLICAS}", "--scaling.replicas_per_worker=2",
+                                f"--outer.placement={placement}",
+                                f"--outer.comm_dtype={comm_dtype}"])
+
+
+def initial_params() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+
+
+def pseudo_gradient(replica: int, round_index: int) -> dict[str, torch.Tensor]:
+    """Δ_r: a shared direction plus replica noise (so the merges have structure to find)."""
+    delta = {}
+    for name, shape in SHAPES.items():
+        common = torch.Generator().manual_seed(zlib.crc32(f"{round_index}/{name}".encode()))
+        own = torch.Generator().manual_seed(zlib.crc32(f"{replica}/{round_index}/{name}".encode()))
+        delta[name] = 0.01 * (torch.randn(shape, generator=common)
+                              + 0.5 * torch.randn(shape, generator=own))
+    if (round_index, replica) == DIVERGED:
+        delta["q"][0, 0] = float("nan")
+    return delta
+
+
+def run_outer_steps(rank: int, world: int, runs: list[tuple[str, str, str]],
+                    through_bfloat16: bool = False) -> dict:
+    """Each (variant, placement, comm_dtype) for ROUNDS rounds on this rank's replicas
+    (`through_bfloat16`: every Δ_r rounded to bfloat16 first)."""
+    hosted_per_rank = REPLICAS // world
+    results = {}
+    for variant, placement, comm_dtype in runs:
+        cfg = variant_config(variant, placement, comm_dtype)
+        sync = OuterSync(cfg.outer, REPLICAS, seed=0)
+        params = initial_params()
+        history, dropped = [], []
+        for round_index in range(ROUNDS):
+            hosted = {r: pseudo_gradient(r, round_index)
+                      for r in range(rank * hosted_per_rank, (rank + 1) * hosted_per_rank)}
+            if through_bfloat16:
+                hosted = {r: {n: t.bfloat16().float() for n, t in delta.items()}
+                          for r, delta in hosted.items()}
+            state_before = sync.state_dict()
+            stats = sync.step(params, hosted, round_index)
+            history.append({"params": {n: p.clone() for n, p in params.items()},
+                            "bytes": stats.bytes_received, "state_before": state_before})
+            dropped.append(stats.dropped)
+        results[variant, placement, comm_dtype] = {
+            "history": history, "dropped": dropped,
+            "momentum": sorted(sync.state_dict()["buffers"]),
+            "owners": sync.plan({n: torch.Size(s) for n, s in SHAPES.items()}).owners}
+    return results
+
+
+def all_runs() -> list[tuple[str, str, str]]:
+    runs = [(v, p, "float32") for v in VARIANTS for p in PLACEMENTS]
+    return runs + [(v, p, "bfloat16") for v in BF16_VARIANTS for p in ("sharded", "replicated")]
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """Rank-ordered results of every run on 4 gloo ranks (one spawn for the module)."""
+    return in_gloo_group(run_outer_steps, RANKS, all_runs())
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """The same runs with all 8 replicas in this process, no process group."""
+    return run_outer_steps(0, 1, [(v, "replicated", "float32") for v in VARIANTS])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_placement_computes_the_single_process_step(four_ranks, one_process, variant):
+    reference = one_process[variant, "replicated", "float32"]
+    assert reference["dropped"] == [[], [DIVERGED[1]], []]
+    for placement in PLACEMENTS:
+        ranks = [result[variant, placement, "float32"] for result in four_ranks]
+        for result in ranks:
+            assert result["dropped"] == reference["dropped"]
+            for round_index in range(ROUNDS):
+                got = result["history"][round_index]["params"]
+                want = reference["history"][round_index]["params"]
+                for name in SHAPES:
+                    # Every rank ends bit-identical to the others ...
+                    assert torch.equal(got[name],
+                                       ranks[0]["history"][round_index]["params"][name])
+                    # ... and equal to the one-process step up to summation order.
+                    torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6,
+                                               msg=f"{placement} {name} round {round_index}")
+
+
+def expected_bytes(variant: str, placement: str, owners: dict[str, int], rank: int,
+                   itemsize: int = 4) -> int:
+    """DESIGN.md's cost model for one round with every tensor in one bucket."""
+    numel = {name: torch.Size(shape).numel() for name, shape in SHAPES.items()}
+    total = sum(numel.values())
+    hosted = REPLICAS // RANKS
+    mean_only = variant in ("diloco", "diloco_sgd", "isoc", "isoloco", "isoloco_update", "dare")
+    if placement == "replicated":
+        if mean_only and itemsize == 4:
+            return int(2 * (RANKS - 1) / RANKS * total * itemsize)  # all-reduce
+        copies = 1 if mean_only else hosted
+        return (RANKS - 1) * copies * total * itemsize  # all-gather
+    owned = sum(numel[name] for name, owner in owners.items() if owner == rank)
+    copies = 1 if mean_only else hosted
+    to_owner = (RANKS - 1) * copies * owned * itemsize  # all-to-all: the other ranks' payloads
+    from_owners = (total - owned) * itemsize  # broadcasts of the other owners' updates
+    return to_owner + from_owners
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_traffic_follows_the_cost_model(four_ranks, variant):
+    for placement in PLACEMENTS:
+        for rank, result in enumerate(four_ranks):
+            run = result[variant, placement, "float32"]
+            want = expected_bytes(variant, placement, run["owners"], rank)
+            assert [h["bytes"] for h in run["history"]] == [want] * ROUNDS, (placement, rank)
+
+
+def test_sharded_placement_spreads_owners_and_rank0_owns_everything(four_ranks):
+    sharded = four_ranks[0]["tsv", "sharded", "float32"]["owners"]
+    assert set(sharded.values()) == set(range(RANKS))
+    assert set(four_ranks[0]["tsv", "rank0", "float32"]["owners"].values()) == {0}
+    # rank0: rank 0 receives every other rank's Δ_r; the others only the broadcasts.
+    rank0 = [r["tsv", "rank0", "float32"]["history"][0]["bytes"] for r in four_ranks]
+    assert rank0[0] > 4 * max(rank0[1:])
+
+
+def test_momentum_lives_with_the_owner(four_ranks):
+    names = set(SHAPES)
+    held = [set(r["diloco", "sharded", "float32"]["momentum"]) for r in four_ranks]
+    assert set().union(*held) == names
+    assert sum(len(h) for h in held) == len(names)  # disjoint
+    owners = four_ranks[0]["diloco", "sharded", "float32"]["owners"]
+    assert all(owners[name] == rank for rank, h in enumerate(held) for name in h)
+    assert [set(r["diloco", "rank0", "float32"]["momentum"]) for r in four_ranks] == \
+        [names, set(), set(), set()]
+    assert all(set(r["diloco", "replicated", "float32"]["momentum"]) == names
+               for r in four_ranks)
+
+
+def test_resuming_sharded_momentum_under_another_placement(four_ranks):
+    """Every rank's momentum file together restores a run, whatever the new placement."""
+    ranks = [r["diloco", "sharded", "float32"]["history"] for r in four_ranks]
+    last = ROUNDS - 1
+    saved = ranks[0][last]["state_before"]
+    buffers = {}
+    for history in ranks:
+        buffers.update(history[last]["state_before"]["buffers"])
+    sync = OuterSync(variant_config("diloco", "replicated").outer, REPLICAS, seed=0)
+    sync.load_state_dict({**saved, "buffers": buffers},
+                         {n: torch.Size(s) for n, s in SHAPES.items()})
+    params = {n: p.clone() for n, p in ranks[0][last - 1]["params"].items()}
+    sync.step(params, {r: pseudo_gradient(r, last) for r in range(REPLICAS)}, last)
+    for name in SHAPES:
+        torch.testing.assert_close(params[name], ranks[0][last]["params"][name], rtol=0,
+                                   atol=1e-6)
+
+
+def test_missing_momentum_is_reported(four_ranks):
+    state = four_ranks[1]["diloco", "sharded", "float32"]["history"][-1]["state_before"]
+    sync = OuterSync(variant_config("diloco", "sharded").outer, REPLICAS, seed=0)
+    with pytest.raises(ValueError, match="lacks the outer momentum of .* a file is missing"):
+        sync.load_state_dict(state, {n: torch.Size(s) for n, s in SHAPES.items()})
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor, start: torch.Tensor) -> float:
+    return float((got - want).norm() / (want - start).norm())
+
+
+def test_bfloat16_transport_halves_the_bytes(four_ranks):
+    for variant in BF16_VARIANTS:
+        for rank, result in enumerate(four_ranks):
+            half = result[variant, "sharded", "bfloat16"]["history"][0]["bytes"]
+            assert half * 2 == result[variant, "sharded", "float32"]["history"][0]["bytes"]
+            replicated = result[variant, "replicated", "bfloat16"]
+            assert replicated["history"][0]["bytes"] == expected_bytes(
+                variant, "replicated", replicated["owners"], rank, itemsize=2)
+
+
+def test_bfloat16_transport_keeps_the_mean_step(four_ranks):
+    """bfloat16 keeps 8 significant bits (relative rounding <= 2^-9) of the hosted sums and
+    of the updates."""
+    start = initial_params()
+    for placement in ("sharded", "replicated"):
+        half = four_ranks[0]["diloco", placement, "bfloat16"]["history"][-1]["params"]
+        full = four_ranks[0]["diloco", placement, "float32"]["history"][-1]["params"]
+        for name in SHAPES:
+            assert relative_error(half[name], full[name], start[name]) < 1e-2, (placement, name)
+
+
+def test_bfloat16_transport_merges_in_float32():
+    """A per-replica merge of bfloat16-carried Δ_r is the float32 merge of the rounded Δ_r
+    (TSV's truncated SVD of noisy Δ_r is itself far more sensitive to that rounding, so the
+    comparison is with the rounded inputs); sharded placement also rounds the update."""
+    four = in_gloo_group(run_outer_steps, RANKS, [("tsv", p, "bfloat16") for p in
+                                                   ("sharded", "replicated")])
+    rounded = run_outer_steps(0, 1, [("tsv", "replicated", "float32")], through_bfloat16=True)
+    want = rounded["tsv", "replicated", "float32"]["history"]
+    start = initial_params()
+    for round_index in range(ROUNDS):
+        replicated = four[0]["tsv", "replicated", "bfloat16"]["history"][round_index]["params"]
+        sharded = four[0]["tsv", "sharded", "bfloat16"]["history"][round_index]["params"]
+        for name in SHAPES:
+            torch.testing.assert_close(replicated[name], want[round_index]["params"][name],
+                                       rtol=0, atol=1e-6)
+            assert relative_error(sharded[name], want[round_index]["params"][name],
+                                  start[name]) < 1e-2
+
+
+def test_sharded_owners_balance_the_estimated_merge_cost():
+    """On the 178M model's shapes (9 blocks, 32k vocabulary) at R = 8."""
+    preset = MODEL_PRESETS["178M"]
+    hidden, inter, vocab = preset["hidden_size"], preset["intermediate_size"], 32000
+    shapes = {"embed": torch.Size((vocab, hidden)), "head": torch.Size((vocab, hidden))}
+    for block in range(preset["num_layers"]):
+        for name in ("q", "k", "v", "o"):
+            shapes[f"{block}.{name}"] = torch.Size((hidden, hidden))
+        shapes[f"{block}.up"] = shapes[f"{block}.gate"] = torch.Size((inter, hidden))
+        shapes[f"{block}.down"] = torch.Size((hidden, inter))
+        shapes[f"{block}.norm1"] = shapes[f"{block}.norm2"] = torch.Size((hidden,))
+    for merge in ("mean", "isoc", "tsv", "ties"):
+        costs = {name: merge_cost(shape, merge, 8) for name, shape in shapes.items()}
+        for ranks in (2, 4, 8):
+            plan = OuterPlan.build(shapes, merge, 8, ranks, "sharded")
+            loads = plan.loads(costs)
+            best_possible = max(sum(costs.values()) / ranks, max(costs.values()))
+            assert max(loads) <= 4 / 3 * best_possible, (merge, ranks)
+            assert sorted(n for owned in plan.owned for n in owned) == sorted(shapes)
+            assert plan == OuterPlan.build(shapes, merge, 8, ranks, "sharded")  # deterministic
+
+
+def test_transfer_steps_bucket_each_owners_tensors():
+    shapes = {f"t{i}": torch.Size((100 * (i + 1),)) for i in range(10)}
+    plan = OuterPlan.build(shapes, "mean", 4, 3, "sharded")
+    numels = {name: shape.numel() for name, shape in shapes.items()}
+    steps = plan.transfer_steps(numels, 4, copies=2, bucket_bytes=4000)
+    for owner in range(3):
+        moved = [name for step in steps for name in step[owner]]
+        assert moved == list(plan.owned[owner])  # each once, in model order
+        for step in steps:
+            size = sum(2 * numels[name] * 4 for name in step[owner])
+            assert size <= 4000 or len(step[owner]) == 1
+
+
+def test_placement_names_are_checked():
+    with pytest.raises(ValueError, match="placement must be one of"):
+        assign_owners({"w": 1.0}, 2, "everywhere")
+    with pytest.raises(Exception, match="outer.placement"):
+        load_config(["--outer.placement=everywhere"])
