@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from isoloco_ray.config import ConfigError, TrainConfig, load_config
+from isoloco_ray.config import ConfigError, TrainConfig, config_differences, load_config
 from isoloco_ray import train
 
 
@@ -61,6 +61,12 @@ def test_token_budget_sets_rounds():
                                                         "outer.momentum > 0"),
     (["--outer.strategy=tsv", "--outer.keep_fraction=1.5"], "outer.keep_fraction: Input should "
                                                            "be less than or equal to 1"),
+    (["--scaling.workers_per_replica=2"], "scaling.workers_per_replica (2) > 1 spreads one "
+                                          "replica over several workers"),
+    (["--scaling.replicas_per_worker=1", "--scaling.workers_per_replica=3"],
+     "data.batch_size (8) must split evenly over scaling.workers_per_replica (3)"),
+    (["--outer.comm_dtype=float16"], "outer.comm_dtype: Input should be 'float32' or "
+                                     "'bfloat16'"),
 ])
 def test_config_errors_name_the_field(args, message):
     with pytest.raises(ConfigError) as err:
@@ -120,3 +126,16 @@ def test_unknown_yaml_field_is_named(tmp_path):
     path.write_text("inner: {stpes: 30}\n")
     with pytest.raises(ConfigError, match=r"inner.stpes: unknown field"):
         load_config([str(path)])
+
+
+def test_resume_may_change_placement_but_not_the_math():
+    saved = load_config(["--outer.placement=rank0"]).model_dump(mode="json")
+    assert config_differences(saved, load_config([])) == []
+    assert config_differences(saved, load_config(["--outer.comm_dtype=bfloat16"])) == [
+        "outer.comm_dtype"]
+
+
+def test_a_replica_over_several_workers_splits_its_batch():
+    cfg = load_config(["--scaling.replicas_per_worker=1", "--scaling.workers_per_replica=2"])
+    assert cfg.scaling.num_workers == 8
+    assert cfg.data.micro_batch_size == cfg.data.batch_size // 2  # one micro-batch per worker

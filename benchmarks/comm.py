@@ -1,0 +1,263 @@
+"""Outer-sync cost by placement at R = 8 replicas: the bytes each rank receives per
+outer round (part 1) and the seconds each rank spends merging (part 2).
+
+Part 1 runs one real outer step of `OuterSync` per strategy, placement and comm_dtype on
+W spawned gloo ranks (W = 2, 4, 8; each hosts L = R/W replicas), on the 178M model's
+tensors with every dimension divided by 8. Bytes are linear in the parameter count, so
+they are reported as multiples of P, the model's float32 bytes, and scaled to the real
+178M model. They follow the cost model of isoloco_ray/workers/collectives.py:
+
+- sharded / rank0: an all-to-all brings each tensor's payload from the W-1 other ranks
+  to its owner (the sum of the hosted Δ_r for mean-only strategies, all L Δ_r for
+  per-replica merges), then each owner broadcasts its updates. A rank owning a fraction
+  o of the model receives (W-1)·c·o·P + (1-o)·P, c = 1 (mean-only) or L (per-replica).
+- replicated: an all-reduce of the sums, 2(W-1)/W·P (mean-only in float32), otherwise
+  an all-gather of every payload, (W-1)·c·P.
+
+The baseline is the naive all-gather of every replica's Δ to every rank: (W-1)·L·P.
+
+Part 2 times, in one process on the real 178M shapes at W = 4, the merge and outer
+update (`OuterSync._updates`, momentum included) of the tensors each rank owns:
+replicated, every rank all of them; rank0, rank 0 all and the others none; sharded, each
+rank its `OuterPlan` share. Summing or pruning the hosted Δ_r and applying the updates
+are the same on every rank under every placement: they are shown apart. The Δ_r are
+synthetic and seeded (benchmarks/merge.py's `make_deltas`), made one shape group at a
+time and shared by the placements.
+
+    python benchmarks/comm.py          # W = 2, 4, 8; all 9 blocks (~30 min, 2 cores)
+    python benchmarks/comm.py --quick  # part 1 at W = 4; part 2 on 1 block (~15 min)
+    python benchmarks/comm.py --part 1 --strategies diloco tsv
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from gloo_group import in_gloo_group  # noqa: E402
+from merge import MODELS, make_deltas, model_tensors  # noqa: E402
+
+from isoloco_ray.config import OuterConfig, load_config  # noqa: E402
+from isoloco_ray.workers import outer_sync  # noqa: E402
+from isoloco_ray.workers.outer_plan import OuterPlan  # noqa: E402
+
+OuterSync = outer_sync.OuterSync
+T = TypeVar("T")
+
+REPLICAS = 8
+MERGE_RANKS = 4  # part 2's outer group
+STRATEGIES = outer_sync.MEAN_ONLY + outer_sync.PER_REPLICA
+# Part 1's (placement, comm_dtype) rows.
+TRANSPORTS = (("sharded", "float32"), ("sharded", "bfloat16"), ("rank0", "float32"),
+              ("replicated", "float32"))
+TARGET_RANKS = 4
+TARGETS = {"mean-only": 1 / 3, "per-replica": 1 / 2}  # busiest / baseline at W = 4
+MERGE_TARGET = 1 / 2  # sharded / replicated, busiest rank's merge seconds
+SCALED = "178M/8"
+# Dividing every dimension keeps each tensor's share of the parameters (up to the
+# norms), so the owners, and the bytes as a multiple of P, stay those of 178M.
+MODELS[SCALED] = {**MODELS["178M"], **{key: MODELS["178M"][key] // 8
+                                       for key in ("hidden", "intermediate", "vocab")}}
+LAYERS = MODELS["178M"]["layers"]
+
+
+def outer_config(strategy: str, placement: str, comm_dtype: str = "float32"
+                 ) -> OuterConfig:
+    """The outer section of a run of `strategy` at R = 8 (the strategy's defaults)."""
+    return load_config([f"--outer.strategy={strategy}",
+                        f"--outer.placement={placement}",
+                        f"--outer.comm_dtype={comm_dtype}",
+                        f"--scaling.replicas={REPLICAS}",
+                        "--scaling.replicas_per_worker=2"]).outer
+
+
+def kind(strategy: str) -> str:
+    return "mean-only" if strategy in outer_sync.MEAN_ONLY else "per-replica"
+
+
+def model_shapes(model: str, blocks: int) -> dict[str, torch.Size]:
+    """Embedding, the first `blocks` blocks, final norm and lm_head, in model order."""
+    return {name: torch.Size(shape)
+            for name, shape, _ in model_tensors(model, blocks, head=True)}
+
+
+def float32_bytes(shapes: dict[str, torch.Size]) -> int:
+    return 4 * sum(shape.numel() for shape in shapes.values())
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    started = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - started
+
+
+# -- part 1: bytes ---------------------------------------------------------------------
+
+def bytes_received(rank: int, world: int, runs: list[tuple[str, str, str]],
+                   shapes: dict[str, torch.Size]) -> dict[tuple[str, str, str], int]:
+    """On each gloo rank: one outer step per (strategy, placement, comm_dtype) from this
+    rank's hosted replicas; the bytes this rank received in each."""
+    per_rank = REPLICAS // world
+    hosted = {}
+    for replica in range(rank * per_rank, (rank + 1) * per_rank):
+        generator = torch.Generator().manual_seed(replica)
+        hosted[replica] = {name: 1e-3 * torch.randn(shape, generator=generator)
+                           for name, shape in shapes.items()}
+    params = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    received = {}
+    for run in runs:
+        sync = OuterSync(outer_config(*run), REPLICAS, seed=0)
+        received[run] = sync.step(params, hosted, round_index=0).bytes_received
+    return received
+
+
+def part1(strategies: list[str], worlds: list[int]) -> None:
+    shapes = model_shapes(SCALED, LAYERS)
+    p = float32_bytes(shapes)
+    real_gib = float32_bytes(model_shapes("178M", LAYERS)) / 2**30
+    print(f"## Part 1: bytes received per rank in one outer round, R = {REPLICAS}\n\n"
+          f"Measured on the 178M shapes / 8 (P = {p / 2**20:.1f} MiB); the GiB "
+          f"column is for the 178M model (P = {real_gib:.3f} GiB).\n", flush=True)
+    runs = [(s, place, dtype) for s in strategies for place, dtype in TRANSPORTS]
+    ratios: dict[tuple[int, str, str, str], float] = {}
+    for world in worlds:
+        per_rank = in_gloo_group(bytes_received, world, runs, shapes)
+        baseline = (world - 1) * (REPLICAS // world)  # × P
+        print(f"### W = {world} ranks, L = {REPLICAS // world} replicas each: baseline "
+              f"{baseline}·P = {baseline * real_gib:.2f} GiB\n")
+        print("| strategy | kind | placement | dtype | busiest ×P | mean ×P "
+              "| baseline ×P | busiest/baseline | busiest GiB (178M) |")
+        print("|---|---|---|---|---:|---:|---:|---:|---:|")
+        for run in runs:
+            counts = [result[run] / p for result in per_rank]
+            busiest, mean = max(counts), sum(counts) / world
+            ratios[(world, *run)] = busiest / baseline
+            strategy, placement, dtype = run
+            print(f"| {strategy} | {kind(strategy)} | {placement} | {dtype} "
+                  f"| {busiest:.3f} | {mean:.3f} | {baseline} "
+                  f"| {busiest / baseline:.3f} | {busiest * real_gib:.3f} |")
+        print(flush=True)
+    if TARGET_RANKS in worlds:
+        print(f"Targets at W = {TARGET_RANKS}, busiest/baseline: mean-only <= 1/3, "
+              "per-replica <= 1/2")
+        for placement, dtype in TRANSPORTS:
+            verdicts = []
+            for s in strategies:
+                ratio = ratios[TARGET_RANKS, s, placement, dtype]
+                met = "met" if ratio <= TARGETS[kind(s)] + 1e-9 else "MISSED"
+                verdicts.append(f"{s} {ratio:.3f} {met}")
+            print(f"- {placement} {dtype}: " + ", ".join(verdicts))
+        print(flush=True)
+
+
+# -- part 2: merge seconds -------------------------------------------------------------
+
+def part2(strategies: list[str], blocks: int, seed: int) -> None:
+    shapes = model_shapes("178M", blocks)
+    subset = ("every tensor" if blocks == LAYERS else
+              f"embedding, {blocks} of {LAYERS} blocks, final norm, lm_head")
+    print(f"## Part 2: merge seconds per rank in one outer step, R = {REPLICAS}, "
+          f"W = {MERGE_RANKS}\n\n178M shapes ({subset}), CPU, "
+          f"{torch.get_num_threads()} threads, wall seconds.\n", flush=True)
+    good = list(range(REPLICAS))
+    hosted = range(REPLICAS // MERGE_RANKS)  # rank 0's replicas, for the shared work
+    # Per strategy, the tensor sets whose merge is timed: "all" (replicated: every rank;
+    # rank0: rank 0) and each rank's sharded share.
+    owned: dict[str, dict[str | int, set[str]]] = {}
+    for s in strategies:
+        outer = outer_config(s, "sharded")
+        plan = OuterPlan.build(
+            shapes, outer_sync.merge_name(outer), REPLICAS, MERGE_RANKS, "sharded",
+            OuterSync(outer, REPLICAS, seed).optimizer.orthogonalize_update)
+        owned[s] = {"all": set(shapes), **dict(enumerate(map(set, plan.owned)))}
+    seconds = {s: dict.fromkeys([*owned[s], "shared"], 0.0) for s in strategies}
+
+    groups: dict[torch.Size, list[str]] = {}
+    for name, shape in shapes.items():
+        groups.setdefault(shape, []).append(name)
+    for shape, names in groups.items():
+        deltas = {n: make_deltas(n, tuple(shape), REPLICAS, seed, torch.device("cpu"))
+                  for n in names}
+        sums = {n: torch.stack(deltas[n]).sum(0) for n in names}
+        for s in strategies:
+            outer = outer_config(s, "sharded")
+            for key, tensors in owned[s].items():
+                chosen = [n for n in names if n in tensors]
+                if not chosen:
+                    continue
+                sync = OuterSync(outer, REPLICAS, seed)  # one rank; fresh momentum
+                # What an owner holds after the all-to-all: the sum of the Δ_r
+                # (mean-only; dare's sparsified sum costs the same) or every Δ_r.
+                contributions = {n: [[sums[n]] if sync.mean_only else deltas[n]]
+                                 for n in chosen}
+                updates, took = timed(lambda: sync._updates(contributions, good, 0))
+                seconds[s][key] += took
+                if key == "all":
+                    payload = {r: {n: deltas[n][r] for n in names} for r in hosted}
+                    _, took = timed(lambda: sync._payload(payload, good, 0))
+                    params = {n: torch.zeros(shape) for n in names}
+                    _, applied = timed(lambda: sync.optimizer.apply(params, updates))
+                    seconds[s]["shared"] += took + applied
+        print(f"  {len(names)} x {tuple(shape)} done", flush=True)
+        del deltas, sums
+
+    print("\n| strategy | kind | replicated s (each rank) | rank0 s (rank 0) "
+          "| sharded s per rank | sharded busiest s | sharded/replicated "
+          "| target <= 1/2 | + every rank s |")
+    print("|---|---|---:|---:|---|---:|---:|---|---:|")
+    for s in strategies:
+        whole = seconds[s]["all"]
+        sharded = [seconds[s][rank] for rank in range(MERGE_RANKS)]
+        ratio = max(sharded) / whole
+        met = "met" if ratio <= MERGE_TARGET else "MISSED"
+        print(f"| {s} | {kind(s)} | {whole:.2f} | {whole:.2f} "
+              f"| {' / '.join(f'{t:.2f}' for t in sharded)} | {max(sharded):.2f} "
+              f"| {ratio:.3f} | {met} | {seconds[s]['shared']:.2f} |")
+    print("\n(replicated and rank0: one measurement, the whole set on one rank; "
+          "+ every rank: summing or pruning rank 0's hosted Δ_r and applying the "
+          "updates, the same under every placement and left out of the ratio)",
+          flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", type=int, nargs="+", choices=(1, 2), default=[1, 2])
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES,
+                        default=list(STRATEGIES))
+    parser.add_argument("--ranks", type=int, nargs="+", choices=(2, 4, 8),
+                        help="part 1: outer group sizes W (default 2 4 8)")
+    parser.add_argument("--blocks", type=int,
+                        help=f"part 2: the first N blocks of 178M (default {LAYERS})")
+    parser.add_argument("--threads", type=int, default=2, help="part 2: torch threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help="part 1 at W = 4 only, part 2 on 1 block")
+    args = parser.parse_args()
+    if args.blocks is not None and not 1 <= args.blocks <= LAYERS:
+        parser.error(f"--blocks must be in 1..{LAYERS}")
+    worlds = args.ranks or ([TARGET_RANKS] if args.quick else [2, 4, 8])
+    blocks = args.blocks or (1 if args.quick else LAYERS)
+    torch.set_num_threads(args.threads)
+    for part in sorted(set(args.part)):
+        started = time.perf_counter()
+        if part == 1:
+            part1(args.strategies, worlds)
+        else:
+            part2(args.strategies, blocks, args.seed)
+        took = time.perf_counter() - started
+        print(f"(part {part}: {took:.0f} s wall)\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
