@@ -7,6 +7,7 @@ Ray Train TorchTrainer, printing a line per outer round, and ends with `summary:
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -69,16 +70,30 @@ def start_ray(cfg: TrainConfig) -> None:
 
     for key, value in QUIET_RAY_ENV.items():
         os.environ.setdefault(key, value)
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
+    if os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
+        # A real cluster may autoscale: its CPUs now say nothing about what it can run.
         ray.init(log_to_driver=False, logging_level="ERROR")
         return
-    cores = os.cpu_count() or 1
-    needed = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + 2
-    num_cpus = cfg.run.num_cpus or max(4, 2 * cores, int(needed + 0.999))
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR")
+    workers_need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    if not ray.is_initialized():
+        cores = os.cpu_count() or 1
+        num_cpus = cfg.run.num_cpus or max(4, 2 * cores, math.ceil(workers_need + 2))
+        if workers_need + 1 > num_cpus:
+            raise ConfigError(
+                f"run.num_cpus ({num_cpus}) leaves no CPU for Ray Data's readers beside "
+                f"{cfg.scaling.num_workers} workers x scaling.cpus_per_worker "
+                f"({cfg.scaling.cpus_per_worker}); raise run.num_cpus to at least "
+                f"{math.ceil(workers_need + 1)}")
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 logging_level="ERROR")
+        return
+    available = ray.cluster_resources().get("CPU", 0)
+    if not os.environ.get("RAY_ADDRESS") and workers_need + 1 > available:
+        raise ConfigError(
+            f"the running Ray cluster has {available:g} CPUs: {cfg.scaling.num_workers} "
+            f"workers x scaling.cpus_per_worker ({cfg.scaling.cpus_per_worker}) leave none for "
+            "Ray Data's readers and the run would wait forever; lower "
+            "scaling.cpus_per_worker (e.g. 0.5)")
 
 
 def format_progress(metrics: dict[str, Any], rounds: int) -> str:
@@ -234,14 +249,18 @@ def main(argv: list[str] | None = None) -> int:
                   "another run.name", file=sys.stderr)
             return 2
         print(f"resuming {run_dir} from its latest checkpoint", flush=True)
+    started = time.perf_counter()
+    try:
+        start_ray(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
     print(f"isoloco_ray: {cfg.outer.strategy}, R={cfg.scaling.replicas} on "
           f"{cfg.scaling.num_workers} workers, model {cfg.model.preset}, "
           f"{cfg.run.rounds} rounds x H={cfg.inner.steps}, data {data_dir}", flush=True)
-    started = time.perf_counter()
-    start_ray(cfg)
     with RunLogger(cfg, run_dir) as wandb_run:
         try:
             final = fit(cfg, data_dir, run_dir, on_metrics=wandb_run.log)

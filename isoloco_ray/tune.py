@@ -342,7 +342,11 @@ def main(argv: list[str] | None = None) -> int:
         print_plan(plan)
         return 0
     max_concurrent = args.max_concurrent or plan.file.resources.max_concurrent
-    return run_grid(plan, max_concurrent, args.resume)
+    try:
+        return run_grid(plan, max_concurrent, args.resume)
+    except ConfigError as exc:  # the cluster cannot hold a trial (train.start_ray)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -139,3 +139,20 @@ def test_a_replica_over_several_workers_splits_its_batch():
     cfg = load_config(["--scaling.replicas_per_worker=1", "--scaling.workers_per_replica=2"])
     assert cfg.scaling.num_workers == 8
     assert cfg.data.micro_batch_size == cfg.data.batch_size // 2  # one micro-batch per worker
+
+
+def test_a_cluster_without_room_for_the_data_readers_is_refused(small_dataset, tmp_path,
+                                                                 monkeypatch, capsys):
+    """All of a local cluster's CPUs taken by workers would leave Ray Data waiting forever."""
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **_: pytest.fail("Ray must not start"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    args = [f"--data.path={small_dataset}", "--data.seq_len=64", "--run.rounds=1",
+            "--run.num_cpus=2",
+            f"--run.storage_path={tmp_path}", "--run.name=full"]
+    assert train.main(args) == 2
+    assert "run.num_cpus (2) leaves no CPU for Ray Data's readers beside 2 workers" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "full").exists()  # nothing written: the same command can be fixed

@@ -95,7 +95,8 @@ def test_replicas_spread_over_ray_workers_train_like_the_local_run(ray_cluster, 
 
     args = ["--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64",
             "--data.batch_size=4", "--scaling.replicas=2", "--scaling.replicas_per_worker=1",
-            "--scaling.workers_per_replica=2", "--outer.strategy=tsv", "--inner.steps=2",
+            "--scaling.workers_per_replica=2", "--scaling.cpus_per_worker=0.5",
+            "--outer.strategy=tsv", "--inner.steps=2",
             "--run.rounds=2", "--run.eval_every=2", "--run.eval_tokens=512",
             f"--run.storage_path={tmp_path}", "--run.name=spread"]
     assert train.main(args) == 0
