@@ -7,12 +7,14 @@ tensors with every dimension divided by 8. Bytes are linear in the parameter cou
 they are reported as multiples of P, the model's float32 bytes, and scaled to the real
 178M model. They follow the cost model of isoloco_ray/workers/collectives.py:
 
-- sharded / rank0: an all-to-all brings each tensor's payload from the W-1 other ranks
-  to its owner (the sum of the hosted Δ_r for mean-only strategies, all L Δ_r for
-  per-replica merges), then each owner broadcasts its updates. A rank owning a fraction
-  o of the model receives (W-1)·c·o·P + (1-o)·P, c = 1 (mean-only) or L (per-replica).
-- replicated: an all-reduce of the sums, 2(W-1)/W·P (mean-only in float32), otherwise
-  an all-gather of every payload, (W-1)·c·P.
+- owners (rank0; sharded except the plain means in float32): an all-to-all brings each
+  tensor's payload from the W-1 other ranks to its owner (the sum of the hosted Δ_r for
+  mean-only strategies, all L Δ_r for per-replica merges), then each owner broadcasts its
+  updates. A rank owning a fraction o of the model receives (W-1)·c·o·P + (1-o)·P (times
+  1/2 in bfloat16), c = 1 (mean-only) or L (per-replica).
+- everyone (replicated; sharded diloco, diloco_sgd and dare in float32): a float32
+  all-reduce of the sums, 2(W-1)/W·P, for mean-only strategies; otherwise an all-gather of
+  every payload, (W-1)·c·P.
 
 The baseline is the naive all-gather of every replica's Δ to every rank: (W-1)·L·P.
 
@@ -57,7 +59,7 @@ T = TypeVar("T")
 
 REPLICAS = 8
 MERGE_RANKS = 4  # part 2's outer group
-STRATEGIES = outer_sync.MEAN_ONLY + outer_sync.PER_REPLICA
+STRATEGIES = ("diloco", "diloco_sgd", "isoc", "isoloco", "dare", "tsv", "isocts", "ties")
 # Part 1's (placement, comm_dtype) rows.
 TRANSPORTS = (("sharded", "float32"), ("sharded", "bfloat16"), ("rank0", "float32"),
               ("replicated", "float32"))
@@ -83,7 +85,9 @@ def outer_config(strategy: str, placement: str, comm_dtype: str = "float32"
 
 
 def kind(strategy: str) -> str:
-    return "mean-only" if strategy in outer_sync.MEAN_ONLY else "per-replica"
+    """Whether the strategy's outer step needs only the replicas' sum."""
+    mean_only = OuterSync(outer_config(strategy, "sharded"), REPLICAS, seed=0).mean_only
+    return "mean-only" if mean_only else "per-replica"
 
 
 def model_shapes(model: str, blocks: int) -> dict[str, torch.Size]:

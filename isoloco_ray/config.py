@@ -198,8 +198,9 @@ class OuterConfig(_Section):
         "sharded", description="who merges each tensor: sharded (owners spread over the workers, "
         "balanced by cost), rank0 (one worker merges all), replicated (every worker merges all)")
     comm_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype pseudo-gradients and updates travel in; bfloat16 halves "
-        "the bytes (merges still run in float32 or float64)")
+        "float32", description="dtype pseudo-gradients and updates travel in to and from their "
+        "owners; bfloat16 halves those bytes (merges still run in float32 or float64; "
+        "all-reduced sums stay float32)")
 
 
 class WandbConfig(_Section):
@@ -304,7 +305,8 @@ class TrainConfig(_Section):
         rows = self.data.batch_size // self.scaling.workers_per_replica
         if self.data.micro_batch_size > rows > 0:
             self.data.micro_batch_size = rows
-        if self.data.batch_size % self.scaling.workers_per_replica or rows % self.data.micro_batch_size:
+        uneven = self.data.batch_size % self.scaling.workers_per_replica
+        if uneven or rows % self.data.micro_batch_size:
             raise ValueError(
                 f"data.batch_size ({self.data.batch_size}) must split evenly over "
                 f"scaling.workers_per_replica ({self.scaling.workers_per_replica}) workers into "

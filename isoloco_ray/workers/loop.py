@@ -112,7 +112,7 @@ class Trainer:
                                    {**counters, "config": self.cfg.model_dump(mode="json")})
         if not self.layout.saves_replicas:
             return  # the replica's first worker saves what all its workers hold alike
-        if self.outer.rank == 0 or self.cfg.outer.placement != "replicated":
+        if self.outer.rank == 0 or not self.outer.everyone_merges:
             checkpoint.save_outer_momentum(directory, self.outer.rank,
                                            self.outer.state_dict()["buffers"])
         for replica in self.replicas:

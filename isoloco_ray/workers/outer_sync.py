@@ -4,13 +4,16 @@ Communication follows the strategy (DESIGN.md, "Outer sync"). Each rank of the o
 hosts L = R / ranks replicas and contributes, per tensor, a payload: the sum of its good
 replicas' Δ_r for the mean-only strategies, every hosted Δ_r for the per-replica merges.
 
-- sharded / rank0 placement: every tensor has an owner rank (outer_plan.py). One all-to-all
-  per bucket carries each payload to the tensor's owner; the owner merges (in float32 or
-  float64), advances the tensor's outer momentum and computes its update u; each owner then
-  broadcasts its updates. Outer momentum lives only with the tensor's owner (as ZeRO-1 shards
-  optimizer state), so a rank holds 1/ranks of it under sharded placement.
-- replicated: every rank gets every payload (an all-reduce of the sums for mean-only
-  strategies in float32, an all-gather otherwise) and computes every update itself.
+- Owners (rank0 placement, and sharded for merges with per-tensor work): every tensor has an
+  owner rank (outer_plan.py). One all-to-all per bucket carries each payload to the tensor's
+  owner; the owner merges (in float32 or float64), advances the tensor's outer momentum and
+  computes its update u; each owner then broadcasts its updates. Outer momentum lives only
+  with the tensor's owner (as ZeRO-1 shards optimizer state): 1/ranks of it per rank, sharded.
+- Everyone (replicated placement, and sharded for the plain means: diloco, diloco_sgd, dare
+  sent in float32, whose merge is elementwise and perfectly balanced by an all-reduce): every
+  rank gets every payload (one float32 all-reduce of the sums for mean-only strategies, which
+  would round partial sums if reduced in bfloat16; an all-gather in comm_dtype otherwise) and
+  computes every update itself.
 
 Every rank then applies θ ← θ − lr·u to all tensors, so all end bit-identical.
 """
@@ -32,8 +35,6 @@ from isoloco_ray.workers.collectives import (Group, TrafficCounter, all_gather_f
                                              group_size, unflatten)
 from isoloco_ray.workers.outer_plan import OuterPlan
 
-MEAN_ONLY = ("diloco", "diloco_sgd", "isoc", "isoloco", "dare")
-PER_REPLICA = ("tsv", "isocts", "ties")
 COMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # name -> (source rank -> that rank's payload tensors of the name)
@@ -117,6 +118,10 @@ class OuterSync:
         self.optimizer = aggregators.OuterOptimizer(
             lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov,
             orthogonalize_update=outer.strategy == "isoloco" and outer.orthogonalize == "update")
+        elementwise = self.merge == "mean" and not self.optimizer.orthogonalize_update
+        # Whether every rank merges everything (see the module docstring), else owners do.
+        self.everyone_merges = outer.placement == "replicated" or (
+            outer.placement == "sharded" and elementwise and self.comm_dtype == torch.float32)
         self.traffic = TrafficCounter()
         self._plan: OuterPlan | None = None
 
@@ -129,8 +134,8 @@ class OuterSync:
         return self._plan
 
     def holds_momentum(self, name: str) -> bool:
-        """Whether this rank keeps (and checkpoints) the momentum of tensor `name`."""
-        if self.outer.placement == "replicated":
+        """Whether this rank keeps the momentum of tensor `name`."""
+        if self.everyone_merges:
             return True
         return self._plan is not None and self._plan.owners[name] == self.rank
 
@@ -172,7 +177,7 @@ class OuterSync:
         started = _clock(device)
         payload = self._payload(hosted, good, round_index)
         merge_seconds = _clock(device) - started
-        if self.outer.placement == "replicated":
+        if self.everyone_merges:
             started = _clock(device)
             contributions = self._gather_everything(payload)
             stats.comm_seconds += _clock(device) - started
@@ -237,9 +242,9 @@ class OuterSync:
     # -- moving payloads -----------------------------------------------------------------------
 
     def _gather_everything(self, payload: Mapping[str, list[torch.Tensor]]) -> Contributions:
-        """Every rank's payload of every tensor, on every rank (replicated placement)."""
+        """Every rank's payload of every tensor, on every rank."""
         names = list(payload)
-        if self.mean_only and self.comm_dtype == torch.float32:
+        if self.mean_only:
             totals = [payload[name][0].clone() for name in names]
             all_reduce_sum(totals, self.traffic, self.group)
             return {name: [[total]] for name, total in zip(names, totals)}
