@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -88,11 +89,18 @@ def pruning_generator(seed: int, round_index: int, replica: int, tensor: str
     return torch.Generator().manual_seed(key)
 
 
-def _clock(device: torch.device) -> float:
-    """perf_counter after the device's queued work is done (CUDA runs asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+@contextmanager
+def stopwatch(stats: OuterStepStats, field_name: str, device: torch.device) -> Iterator[None]:
+    """Add the block's wall seconds to `stats.<field_name>`, counting the device's queued work
+    (CUDA runs asynchronously: synchronize before reading the clock)."""
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    started = now()
+    yield
+    setattr(stats, field_name, getattr(stats, field_name) + now() - started)
 
 
 class OuterSync:
@@ -174,29 +182,22 @@ class OuterSync:
             return stats
         plan = self.plan({name: t.shape for name, t in global_params.items()})
         device = next(iter(global_params.values())).device
-        started = _clock(device)
-        payload = self._payload(hosted, good, round_index)
-        merge_seconds = _clock(device) - started
+        with stopwatch(stats, "merge_seconds", device):
+            payload = self._payload(hosted, good, round_index)
         if self.everyone_merges:
-            started = _clock(device)
-            contributions = self._gather_everything(payload)
-            stats.comm_seconds += _clock(device) - started
-            started = _clock(device)
-            updates = self._updates(contributions, good, round_index)
-            merge_seconds += _clock(device) - started
+            with stopwatch(stats, "comm_seconds", device):
+                contributions = self._gather_everything(payload)
+            with stopwatch(stats, "merge_seconds", device):
+                updates = self._updates(contributions, good, round_index)
         else:
-            started = _clock(device)
-            contributions = self._send_to_owners(payload, plan)
-            stats.comm_seconds += _clock(device) - started
-            started = _clock(device)
-            owned_updates = self._updates(contributions, good, round_index)
-            merge_seconds += _clock(device) - started
-            started = _clock(device)
-            updates = self._broadcast_from_owners(owned_updates, global_params, plan)
-            stats.comm_seconds += _clock(device) - started
-        started = _clock(device)
-        self.optimizer.apply(global_params, updates)
-        stats.merge_seconds = merge_seconds + _clock(device) - started
+            with stopwatch(stats, "comm_seconds", device):
+                contributions = self._send_to_owners(payload, plan)
+            with stopwatch(stats, "merge_seconds", device):
+                owned_updates = self._updates(contributions, good, round_index)
+            with stopwatch(stats, "comm_seconds", device):
+                updates = self._broadcast_from_owners(owned_updates, global_params, plan)
+        with stopwatch(stats, "merge_seconds", device):
+            self.optimizer.apply(global_params, updates)
         stats.bytes_received = self.traffic.take()
         return stats
 
