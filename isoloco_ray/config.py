@@ -10,10 +10,11 @@ needed and is what checkpoints and summaries record.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ModelPreset = Literal["tiny", "demo", "178M", "512M"]
 Strategy = Literal[
@@ -68,8 +69,27 @@ OPTION_STRATEGIES: dict[str, tuple[str, ...]] = {
 }
 
 
+# Run and grid names become directory names under run.storage_path (and Ray Train's run names,
+# which Ray encodes as ASCII): one path component of a safe character set, bounded in length.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]*")
+NAME_MAX_LEN = 128
+
+
+def check_name(name: str, field: str) -> str:
+    """`name` if it is a safe directory name for `field` (run.name, a grid's name), else
+    ValueError saying what is allowed."""
+    if len(name) > NAME_MAX_LEN:
+        raise ValueError(f"{field} is {len(name)} characters long; use at most {NAME_MAX_LEN}")
+    if not NAME_PATTERN.fullmatch(name):
+        raise ValueError(
+            f"{field} {name!r} must be one directory name: ASCII letters, digits and . _ = , + - "
+            "starting with a letter or digit (no '/', '..', spaces or other characters)")
+    return name
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    # inf/nan in any float setting would train a NaN model: refused where it is read.
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -171,6 +191,14 @@ class InnerConfig(_Section):
                           "linear warmup from 0.1x lr; then cosine to 0.1x lr")
     clip: float | None = Field(1.0, gt=0, description="gradient-norm clip (None: no clipping)")
 
+    @field_validator("betas")
+    @classmethod
+    def _check_betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"inner.betas {list(betas)}: each must be in [0, 1), e.g. "
+                             "[0.9, 0.95]")
+        return betas
+
 
 class OuterConfig(_Section):
     """The outer step: which merge, and its optimizer (SPEC.md, "Strategies")."""
@@ -232,6 +260,11 @@ class RunConfig(_Section):
     name: str | None = Field(None, description="run name (default: strategy-R-timestamp); "
                              "reusing a name resumes that run")
     storage_path: Path = Field(Path("runs"), description="directory for runs (made absolute)")
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str | None) -> str | None:
+        return None if name is None else check_name(name, "run.name")
     rounds: int | None = Field(None, gt=0, description="outer rounds (default 12, or from "
                                "token_budget)")
     token_budget: int | None = Field(None, gt=0, description="total training tokens over all "
@@ -342,6 +375,8 @@ def format_validation_error(error: Any) -> str:
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown field; see --help for the fields of each section"
+        elif item["type"] == "finite_number":
+            message = f"must be a finite number (got {item.get('input')!r})"
         elif item["type"] in ("literal_error", "enum"):
             message = f"{message} (got {item.get('input')!r})"
         lines.append(message if not location or message.startswith(location)
