@@ -390,8 +390,15 @@ def read_yaml_config(path: Path) -> dict[str, Any]:
 
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    raw = path.read_bytes()
     try:
-        loaded = yaml.safe_load(path.read_text()) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path} is not UTF-8 text (line {line}, byte "
+                          f"{exc.start}); save it as UTF-8") from None
+    try:
+        loaded = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     if not isinstance(loaded, dict):

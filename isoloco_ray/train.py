@@ -10,12 +10,14 @@ import json
 import math
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from isoloco_ray import strict_json
 from isoloco_ray.config import ConfigError, TrainConfig, config_differences, load_config
 from isoloco_ray.data.format import DataError, DatasetMeta, split_files
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
@@ -55,6 +57,19 @@ def check_against_data(cfg: TrainConfig, meta: DatasetMeta, data_dir: Path) -> N
         data_dir, meta, model_vocab_size=cfg.model.vocab_size, seq_len=cfg.data.seq_len,
         replicas=cfg.scaling.replicas, rounds=cfg.run.rounds,
         sequences_per_replica=cfg.run.rounds * cfg.inner.steps * cfg.data.batch_size)
+
+
+def check_writable(storage: Path, field: str = "run.storage_path") -> None:
+    """Create `storage` if needed and check a file can be written there, so an unwritable
+    path is a configuration error before Ray starts rather than a failure after it."""
+    try:
+        storage.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=storage, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"{field}: cannot write to {storage} ({reason}); choose a writable "
+                          "directory") from None
 
 
 def run_name(cfg: TrainConfig) -> str:
@@ -126,7 +141,7 @@ def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Eve
                 metrics = queue.get(timeout=0.5)
             except Empty:
                 continue
-            log.write(json.dumps(metrics) + "\n")
+            log.write(strict_json.dumps(metrics) + "\n")
             log.flush()
             print(format_progress(metrics, rounds), flush=True)
             if on_metrics is not None:
@@ -211,7 +226,7 @@ def write_summary(cfg: TrainConfig, final: dict[str, Any], data_dir: Path, run_d
         "data_dir": str(data_dir),
         "seconds": seconds,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run_dir / "summary.json").write_text(strict_json.dumps(summary, indent=2))
     return summary
 
 
@@ -235,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     name = run_name(cfg)
     storage = cfg.run.storage_path.expanduser().resolve()
     run_dir = storage / name
+    try:
+        check_writable(storage)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if (run_dir / "summary.json").exists():
         print(f"error: run.name: {run_dir} already holds a finished run; choose another "
               "run.name", file=sys.stderr)

@@ -67,6 +67,22 @@ def test_token_budget_sets_rounds():
      "data.batch_size (8) must split evenly over scaling.workers_per_replica (3)"),
     (["--outer.comm_dtype=float16"], "outer.comm_dtype: Input should be 'float32' or "
                                      "'bfloat16'"),
+    # Non-finite settings would train a NaN model.
+    (["--inner.lr=inf"], "inner.lr: must be a finite number (got 'inf')"),
+    (["--outer.lr=inf"], "outer.lr: must be a finite number (got 'inf')"),
+    (["--outer.lr=nan"], "outer.lr: must be a finite number (got 'nan')"),
+    (["--inner.clip=inf"], "inner.clip: must be a finite number"),
+    (["--inner.weight_decay=inf"], "inner.weight_decay: must be a finite number"),
+    (["--scaling.cpus_per_worker=inf"], "scaling.cpus_per_worker: must be a finite number"),
+    (["--inner.betas", "0.9,1.0"], "inner.betas [0.9, 1.0]: each must be in [0, 1)"),
+    (["--inner.betas=-0.1,0.9"], "inner.betas [-0.1, 0.9]: each must be in [0, 1)"),
+    # run.name is one directory under run.storage_path.
+    (["--run.name=../x"], "run.name '../x' must be one directory name"),
+    (["--run.name=/etc"], "run.name '/etc' must be one directory name"),
+    (["--run.name=."], "run.name '.' must be one directory name"),
+    (["--run.name=a/b"], "run.name 'a/b' must be one directory name"),
+    (["--run.name=résumé"], "must be one directory name: ASCII letters"),
+    (["--run.name=" + "x" * 129], "run.name is 129 characters long; use at most 128"),
 ])
 def test_config_errors_name_the_field(args, message):
     with pytest.raises(ConfigError) as err:
@@ -156,3 +172,28 @@ def test_a_cluster_without_room_for_the_data_readers_is_refused(small_dataset, t
     assert "run.num_cpus (2) leaves no CPU for Ray Data's readers beside 2 workers" in \
         capsys.readouterr().err
     assert not (tmp_path / "full").exists()  # nothing written: the same command can be fixed
+
+
+def test_a_safe_run_name_is_accepted():
+    assert load_config(["--run.name=03-isoloco-inner.lr=0.001,x+y_z"]).run.name == \
+        "03-isoloco-inner.lr=0.001,x+y_z"
+
+
+def test_a_non_utf8_config_file_names_the_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("inner: {lr: 0.001}\nrun: {name: caf\u00e9}\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.yaml is not UTF-8 text \(line 2, byte 34\)"):
+        load_config([str(path)])
+
+
+@pytest.mark.parametrize("storage", ["file/runs", "/proc/isoloco-runs"])
+def test_an_unwritable_storage_path_exits_2_before_ray(small_dataset, tmp_path, capsys, no_ray,
+                                                       storage):
+    (tmp_path / "file").write_text("not a directory")
+    path = storage if storage.startswith("/") else tmp_path / storage
+    status = train.main(["--model.preset=tiny", f"--data.path={small_dataset}",
+                         "--data.seq_len=64", "--run.rounds=1", f"--run.storage_path={path}"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith(f"error: run.storage_path: cannot write to {path} (")
+    assert "choose a writable directory" in err and "Traceback" not in err

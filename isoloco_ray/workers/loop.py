@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from isoloco_ray.config import TrainConfig, config_differences
-from isoloco_ray.data.format import DatasetMeta, load_tokenizer, split_files
+from isoloco_ray.data.format import DataError, DatasetMeta, load_tokenizer, split_files
 from isoloco_ray.data.stream import EpochReader, ReplicaStream
 from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_scalars,
@@ -146,13 +146,27 @@ class Trainer:
                 f"(hashes by rank: {hashes}); the outer sync is not deterministic here")
         return digest
 
+    def stop_if_any_rank_failed(self, error: str | None) -> None:
+        """Every rank stops together when any rank's data failed (a rank that stopped alone
+        would leave the others waiting in the next collective)."""
+        errors = all_gather_strings(error or "")
+        failed = [(rank, message) for rank, message in enumerate(errors) if message]
+        if failed:
+            rank, message = failed[0]
+            raise TrainingStopped(f"worker {rank} in round {self.round + 1}: {message}")
+
     # -- one round -------------------------------------------------------------------------------
 
     def evaluate(self) -> float:
         """Validation loss of the global parameters."""
         load_parameters(self.model, self.global_params)
-        return evaluate(self.runtime, self.eval_set, self.env.rank, self.env.world,
+        loss = evaluate(self.runtime, self.eval_set, self.env.rank, self.env.world,
                         self.cfg.data.micro_batch_size)
+        if not math.isfinite(loss):  # the same on every rank: the loss is all-reduced
+            raise TrainingStopped(
+                f"the validation loss is {loss} after round {self.round}; the last checkpoint "
+                "holds the last good state: lower inner.lr or outer.lr and start a new run")
+        return loss
 
     def diloco_round(self) -> tuple[float, float, OuterStepStats]:
         """H inner steps on every hosted replica, then the outer step.
@@ -162,12 +176,18 @@ class Trainer:
         """
         started = time.perf_counter()
         deltas, losses = {}, {}
+        data_error = None
         for replica in self.replicas:
-            deltas[replica.index], losses[replica.index] = replica.run_inner_steps(
-                self.model, self.runtime, self.global_params, self.cfg.inner.steps,
-                self.cfg.data.micro_batch_size, self.layout.shard)
+            try:
+                deltas[replica.index], losses[replica.index] = replica.run_inner_steps(
+                    self.model, self.runtime, self.global_params, self.cfg.inner.steps,
+                    self.cfg.data.micro_batch_size, self.layout.shard)
+            except DataError as exc:  # a replica's G workers read the same rows: all stop
+                data_error = str(exc)
+                break
             if self.env.after_replica is not None:
                 self.env.after_replica(self.round, replica.index)
+        self.stop_if_any_rank_failed(data_error)
         inner_seconds = time.perf_counter() - started
         diverged = [r for r, loss in losses.items() if not math.isfinite(loss)]
         stats = self.outer.step(self.global_params, deltas, self.round, diverged)
@@ -190,14 +210,26 @@ class Trainer:
         load_parameters(self.model, self.global_params)
         started = time.perf_counter()
         loss_sum = torch.zeros((), device=self.env.device)
+        data_error = None
         for _ in range(self.cfg.inner.steps):
             optimizer.zero_grad(set_to_none=True)
             for replica in self.replicas:  # gradients of the hosted batches add up in .grad
-                batch = replica.stream.next_batch()
+                if data_error is not None:
+                    break
+                try:
+                    batch = replica.stream.next_batch()
+                except DataError as exc:
+                    # Keep joining the step's all-reduce (with what is accumulated) so the
+                    # other ranks reach the end of the round, where every rank stops.
+                    data_error = str(exc)
+                    break
                 if shard is not None:
                     batch = shard.rows(batch)
                 loss_sum += accumulate_gradients(self.runtime, batch,
                                                  self.cfg.data.micro_batch_size)
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             computed = time.perf_counter()
             all_reduce_sum([p.grad for p in params], traffic)
             stats.comm_seconds += time.perf_counter() - computed
@@ -208,8 +240,16 @@ class Trainer:
             optimizer.step()
             schedule.step()
         inner_seconds = time.perf_counter() - started - stats.comm_seconds
-        self.global_params = snapshot_parameters(self.model)
+        self.stop_if_any_rank_failed(data_error)
         stats.bytes_received = traffic.take()
+        stepped = snapshot_parameters(self.model)
+        if parameters_finite(stepped):  # alike on every rank: the same averaged gradients
+            self.global_params = stepped
+        else:
+            # The DiLoCo strategies' guard, for the one data-parallel "replica": the round is
+            # skipped (parameters as they were before it) and AdamW's moments are reset.
+            optimizer.state.clear()
+            stats.dropped, stats.skipped = list(range(self.cfg.scaling.replicas)), True
         # Every worker's loss is over its share: the world's sum, / G, is the replicas' sum.
         return (loss_sum.item() / self.cfg.inner.steps / self.cfg.scaling.workers_per_replica,
                 inner_seconds, stats)
@@ -218,11 +258,11 @@ class Trainer:
         """Train until cfg.run.rounds rounds are done; returns the final metrics (every rank),
         or {"error": why, "rounds": done} when the run had to stop (TrainingStopped)."""
         env = self.env
-        if self.initial_eval_loss is None:
-            self.initial_eval_loss = self.last_eval_loss = self.evaluate()
-            env.report({"round": 0, "tokens": 0, "eval_loss": self.initial_eval_loss,
-                        "eval_perplexity": perplexity(self.initial_eval_loss)}, None)
         try:
+            if self.initial_eval_loss is None:
+                self.initial_eval_loss = self.last_eval_loss = self.evaluate()
+                env.report({"round": 0, "tokens": 0, "eval_loss": self.initial_eval_loss,
+                            "eval_perplexity": perplexity(self.initial_eval_loss)}, None)
             self._train_rounds()
         except TrainingStopped as stop:
             # Returned, not raised: a retry from the last checkpoint would only repeat it.
@@ -238,6 +278,12 @@ class Trainer:
             started = time.perf_counter()
             loss_sum, inner_seconds, stats = run_round()
             self.round += 1
+            if not parameters_finite(self.global_params):
+                raise TrainingStopped(
+                    f"the global parameters are not finite after the outer step of round "
+                    f"{self.round} (outer.strategy {cfg.outer.strategy}, outer.lr "
+                    f"{cfg.outer.lr:g}); the last checkpoint holds the last good state: lower "
+                    "outer.lr and start a new run")
             self.bad_rounds = self.bad_rounds + 1 if stats.skipped else 0
             if self.bad_rounds >= cfg.run.max_bad_rounds:
                 raise TrainingStopped(
@@ -299,6 +345,12 @@ class Trainer:
             "outer_bytes_per_round": self.bytes_total / max(self.round, 1),
             "model_sha256": checkpoint.parameters_sha256(self.global_params),
         }
+
+
+def parameters_finite(params: dict[str, torch.Tensor]) -> bool:
+    """Whether every parameter value is finite (one host sync for all tensors)."""
+    bad = torch.stack([torch.isfinite(t).logical_not().sum() for t in params.values()]).sum()
+    return int(bad) == 0
 
 
 def steady_tokens_per_s(rounds: int, tokens_per_round: int, train_seconds: float,

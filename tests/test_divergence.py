@@ -1,0 +1,140 @@
+"""A run that goes non-finite stops with an error and a finite last checkpoint; strict JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from isoloco_ray import strict_json, train
+from isoloco_ray.config import load_config
+from isoloco_ray.data.format import DataError
+from isoloco_ray.data.stream import ReplicaStream
+from isoloco_ray.workers import checkpoint, loop
+from isoloco_ray.workers.local import run_local
+from isoloco_ray.workers.outer_sync import OuterSync
+
+RUN = ["--model.preset=tiny", "--scaling.replicas=2", "--scaling.replicas_per_worker=2",
+       "--inner.steps=2", "--run.rounds=3", "--run.checkpoint_every=1", "--data.seq_len=64",
+       "--data.batch_size=4", "--run.eval_tokens=512", "--run.eval_every=1"]
+
+
+def assert_finite_checkpoints(directory):
+    for saved in directory.iterdir():
+        params, _, _ = checkpoint.load_shared(saved)
+        assert all(torch.isfinite(p).all() for p in params.values()), saved.name
+
+
+def test_an_outer_step_that_overflows_stops_the_run_before_saving(small_dataset, tmp_path,
+                                                                  monkeypatch):
+    real = OuterSync.step
+
+    def step(self, global_params, *args, **kwargs):  # e.g. a huge outer.lr overflowing float32
+        stats = real(self, global_params, *args, **kwargs)
+        if args[1] == 1:  # round_index: the second round
+            next(iter(global_params.values()))[0] = math.inf
+        return stats
+
+    monkeypatch.setattr(OuterSync, "step", step)
+    cfg = load_config(RUN + ["--outer.strategy=diloco_sgd", "--outer.lr=2.5"])
+    summary, _ = run_local(cfg, small_dataset, checkpoints=tmp_path)
+    assert summary["rounds"] == 2
+    assert summary["error"].startswith(
+        "the global parameters are not finite after the outer step of round 2 "
+        "(outer.strategy diloco_sgd, outer.lr 2.5)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round_000001"]  # none of a NaN model
+    assert_finite_checkpoints(tmp_path)
+
+
+def test_a_non_finite_validation_loss_stops_the_run(small_dataset, tmp_path, monkeypatch):
+    calls = []
+
+    def evaluate(*args, **kwargs):
+        calls.append(1)
+        return 2.0 if len(calls) < 3 else math.inf
+
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    summary, _ = run_local(load_config(RUN), small_dataset, checkpoints=tmp_path)
+    assert summary["rounds"] == 2 and "validation loss is inf" in summary["error"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round_000001"]
+
+
+def test_adamw_ddp_skips_non_finite_rounds_and_stops_after_max_bad_rounds(
+        small_dataset, tmp_path, monkeypatch):
+    real = loop.accumulate_gradients
+    poisoned_from_round = 2  # rounds are 1-based in reports; round 2's steps get NaN gradients
+    state = {"steps": 0}
+
+    def accumulate_gradients(runtime, batch, micro_batch_size):
+        loss = real(runtime, batch, micro_batch_size)
+        state["steps"] += 1
+        if state["steps"] > (poisoned_from_round - 1) * 2 * 2:  # 2 steps x 2 hosted replicas
+            for p in runtime.forward.parameters():
+                p.grad.fill_(math.nan)
+        return loss
+
+    monkeypatch.setattr(loop, "accumulate_gradients", accumulate_gradients)
+    cfg = load_config(RUN + ["--outer.strategy=adamw_ddp", "--run.rounds=5",
+                             "--run.max_bad_rounds=2"])
+    reports = []
+    summary, params = run_local(cfg, small_dataset, checkpoints=tmp_path, reports=reports)
+    assert summary["rounds"] == 3
+    assert "2 consecutive rounds" in summary["error"]
+    assert [m["dropped_replicas"] for m in reports if m["round"] > 0] == [[], [0, 1]]
+    assert all(torch.isfinite(p).all() for p in params.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round_000001", "round_000002"]
+    assert_finite_checkpoints(tmp_path)
+    # The skipped round left the parameters as round 1 ended.
+    round1, _, _ = checkpoint.load_shared(tmp_path / "round_000001")
+    round2, _, _ = checkpoint.load_shared(tmp_path / "round_000002")
+    assert all(torch.equal(round1[name], round2[name]) for name in round1)
+
+
+def test_a_data_error_in_a_replica_stops_the_run_with_its_message(small_dataset, monkeypatch):
+    real = ReplicaStream.next_batch
+    calls = {"n": 0}
+
+    def next_batch(self):
+        calls["n"] += 1
+        if calls["n"] == 7:  # round 2 (2 replicas x 2 steps a round), replica 0's 2nd step
+            raise DataError("train/part-00001.parquet: token id 99999 >= vocabulary 384")
+        return real(self)
+
+    monkeypatch.setattr(ReplicaStream, "next_batch", next_batch)
+    summary, _ = run_local(load_config(RUN), small_dataset)
+    assert summary["rounds"] == 1
+    assert summary["error"] == ("worker 0 in round 2: train/part-00001.parquet: token id 99999 "
+                                ">= vocabulary 384")
+
+
+def test_strict_json_writes_null_for_non_finite_values():
+    text = strict_json.dumps({"a": math.nan, "b": [1.0, -math.inf], "c": {"d": math.inf},
+                              "e": 2, "f": "nan"})
+    assert json.loads(text) == {"a": None, "b": [1.0, None], "c": {"d": None}, "e": 2, "f": "nan"}
+    with pytest.raises(ValueError):  # what the standard library would have written instead
+        json.dumps({"a": math.nan}, allow_nan=False)
+
+
+def test_summary_json_is_strict(tmp_path, small_dataset):
+    cfg = load_config(RUN)
+    summary = train.write_summary(cfg, {"final_eval_loss": 3.0, "final_eval_perplexity": math.inf},
+                                  small_dataset, tmp_path, 1.0)
+    text = (tmp_path / "summary.json").read_text()
+    assert "Infinity" not in text and json.loads(text)["final_eval_perplexity"] is None
+    assert summary["final_eval_perplexity"] == math.inf
+
+
+def test_a_run_that_stopped_exits_1_without_a_summary(small_dataset, tmp_path, monkeypatch,
+                                                       capsys):
+    monkeypatch.setattr(train, "start_ray", lambda cfg: None)
+    monkeypatch.setattr(train, "fit", lambda *args, **kwargs: {
+        "error": "the global parameters are not finite after the outer step of round 1",
+        "rounds": 1})
+    status = train.main(RUN + [f"--data.path={small_dataset}", f"--run.storage_path={tmp_path}",
+                               "--run.name=nan-run"])
+    assert status == 1
+    assert "the run stopped after round 1: the global parameters are not finite" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "nan-run" / "summary.json").exists()
