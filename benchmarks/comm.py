@@ -51,6 +51,8 @@ from gloo_group import in_gloo_group  # noqa: E402
 from merge import MODELS, make_deltas, model_tensors  # noqa: E402
 
 from isoloco_ray.config import OuterConfig, load_config  # noqa: E402
+from isoloco_ray.strategies import STRATEGIES as STRATEGY_SPECS  # noqa: E402
+from isoloco_ray.strategies import OuterMerge  # noqa: E402
 from isoloco_ray.workers import outer_sync  # noqa: E402
 from isoloco_ray.workers.outer_plan import OuterPlan  # noqa: E402
 
@@ -59,7 +61,7 @@ T = TypeVar("T")
 
 REPLICAS = 8
 MERGE_RANKS = 4  # part 2's outer group
-STRATEGIES = ("diloco", "diloco_sgd", "isoc", "isoloco", "dare", "tsv", "isocts", "ties")
+STRATEGIES = tuple(name for name, spec in STRATEGY_SPECS.items() if spec.has_outer_step)
 # Part 1's (placement, comm_dtype) rows.
 TRANSPORTS = (("sharded", "float32"), ("sharded", "bfloat16"), ("rank0", "float32"),
               ("replicated", "float32"))
@@ -86,8 +88,8 @@ def outer_config(strategy: str, placement: str, comm_dtype: str = "float32"
 
 def kind(strategy: str) -> str:
     """Whether the strategy's outer step needs only the replicas' sum."""
-    mean_only = OuterSync(outer_config(strategy, "sharded"), REPLICAS, seed=0).mean_only
-    return "mean-only" if mean_only else "per-replica"
+    return "mean-only" if OuterMerge.of(outer_config(strategy, "sharded")).of_mean \
+        else "per-replica"
 
 
 def model_shapes(model: str, blocks: int) -> dict[str, torch.Size]:
@@ -197,10 +199,9 @@ def part2(strategies: list[str], blocks: int, seed: int) -> None:
     # rank0: rank 0) and each rank's sharded share.
     owned: dict[str, dict[str | int, set[str]]] = {}
     for s in strategies:
-        outer = outer_config(s, "sharded")
-        plan = OuterPlan.build(
-            shapes, outer_sync.merge_name(outer), REPLICAS, MERGE_RANKS, "sharded",
-            OuterSync(outer, REPLICAS, seed).optimizer.orthogonalize_update)
+        resolved = OuterMerge.of(outer_config(s, "sharded"))
+        plan = OuterPlan.build(shapes, resolved.merge, REPLICAS, MERGE_RANKS, "sharded",
+                               resolved.orthogonalize_update)
         owned[s] = {"all": set(shapes), **dict(enumerate(map(set, plan.owned)))}
     seconds = {s: dict.fromkeys([*owned[s], "shared"], 0.0) for s in strategies}
 
@@ -213,7 +214,7 @@ def part2(strategies: list[str], blocks: int, seed: int) -> None:
         sums = {n: torch.stack(deltas[n]).sum(0) for n in names}
         for s in strategies:
             outer = outer_config(s, "sharded")
-            mean_only = OuterSync(outer, REPLICAS, seed).mean_only
+            mean_only = OuterMerge.of(outer).of_mean
             for key, tensors in owned[s].items():
                 chosen = [n for n in names if n in tensors]
                 if not chosen:

@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from isoloco_ray.strategies import STRATEGIES, option_strategies
+
 ModelPreset = Literal["tiny", "demo", "178M", "512M"]
-Strategy = Literal[
-    "diloco", "diloco_sgd", "isoc", "isoloco", "isocts", "tsv", "ties", "dare", "adamw_ddp"
-]
+Strategy = Literal[tuple(STRATEGIES)]  # type: ignore[valid-type]
 
 # Llama sizes. "178M" and "512M" are the paper's (SPEC.md); "demo" is the ~3M model that trains
 # visibly on 2 CPU cores in minutes (DATA.md); "tiny" is for tests.
@@ -34,39 +34,9 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
                  intermediate_size=5440, max_seq_len=2048),
 }
 
-# The paper's defaults per outer strategy (SPEC.md, 178M at R = 8): inner lr and outer settings.
-STRATEGY_PRESETS: dict[str, dict[str, Any]] = {
-    "diloco": dict(inner_lr=1.38e-3, lr=0.7, momentum=0.9, nesterov=True),
-    "diloco_sgd": dict(inner_lr=1.38e-3, lr=1.6, momentum=0.0, nesterov=False),
-    "isoc": dict(inner_lr=3.91e-3, lr=2.1, momentum=0.0, nesterov=False),
-    "isoloco": dict(inner_lr=1.38e-3, lr=1.8, momentum=0.8, nesterov=True,
-                    orthogonalize="gradient"),
-    "isocts": dict(inner_lr=3.91e-3, lr=3.1, momentum=0.0, nesterov=False,
-                   common_fraction=0.8),
-    "tsv": dict(inner_lr=2.76e-3, lr=0.6, momentum=0.0, nesterov=False, decorrelate=True),
-    "ties": dict(inner_lr=2.76e-3, lr=0.7, momentum=0.0, nesterov=False, sparsity=0.1,
-                 prune="magnitude", prune_dim="all", rescale=False, disjoint=True),
-    "dare": dict(inner_lr=2.76e-3, lr=1.5, momentum=0.0, nesterov=False, sparsity=0.1,
-                 prune="random", prune_dim="all", rescale=True, disjoint=False),
-    # The data-parallel AdamW baseline has no outer step: `lr` is unused.
-    "adamw_ddp": dict(inner_lr=1.95e-3, inner_weight_decay=0.15, lr=0.0, momentum=0.0,
-                      nesterov=False),
-}
-
-# Which strategies each merge option of OuterConfig applies to; setting one for another
-# strategy is an error rather than silently ignored.
-_SPARSIFY = ("ties", "dare")
-OPTION_STRATEGIES: dict[str, tuple[str, ...]] = {
-    "orthogonalize": ("isoloco",),
-    "common_fraction": ("isocts",),
-    "keep_fraction": ("tsv",),
-    "decorrelate": ("tsv",),
-    "sparsity": _SPARSIFY, "prune": _SPARSIFY, "prune_dim": _SPARSIFY, "rescale": _SPARSIFY,
-    "disjoint": _SPARSIFY,
-    "lr": tuple(s for s in STRATEGY_PRESETS if s != "adamw_ddp"),
-    "momentum": tuple(s for s in STRATEGY_PRESETS if s != "adamw_ddp"),
-    "nesterov": tuple(s for s in STRATEGY_PRESETS if s != "adamw_ddp"),
-}
+# Which strategies each outer.* option applies to; setting one for another strategy is an
+# error rather than silently ignored.
+OPTION_STRATEGIES = option_strategies()
 
 
 # Run and grid names become directory names under run.storage_path (and Ray Train's run names,
@@ -299,7 +269,8 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _resolve(self) -> TrainConfig:
-        preset = STRATEGY_PRESETS[self.outer.strategy]
+        spec = STRATEGIES[self.outer.strategy]
+        preset = spec.paper
         for option, strategies in OPTION_STRATEGIES.items():
             value = getattr(self.outer, option)
             # The preset's own value is allowed, so a resolved config round-trips (adamw_ddp
@@ -312,9 +283,9 @@ class TrainConfig(_Section):
         if self.inner.lr is None:
             self.inner.lr = preset["inner_lr"]
         if self.inner.weight_decay is None:
-            self.inner.weight_decay = preset.get("inner_weight_decay", 0.1)
+            self.inner.weight_decay = spec.inner_weight_decay
         for key, value in preset.items():
-            if not key.startswith("inner_") and getattr(self.outer, key) is None:
+            if key != "inner_lr" and getattr(self.outer, key) is None:
                 setattr(self.outer, key, value)
         if self.outer.nesterov and not self.outer.momentum:
             raise ValueError("outer.nesterov needs outer.momentum > 0; set --outer.momentum "

@@ -24,9 +24,10 @@ from typing import Any
 
 from isoloco_ray.config import OPTION_STRATEGIES, ConfigError, read_yaml_config
 from isoloco_ray.grid import nest
+from isoloco_ray.strategies import STRATEGIES
 
 # The research code's strategy names -> ours (mergeloco is refined into ties or dare).
-STRATEGIES = {
+RESEARCH_STRATEGIES = {
     "adam_baseline": "adamw_ddp",
     "diloco_baseline": "diloco",
     "diloco_sgd_noMom": "diloco_sgd",
@@ -61,10 +62,6 @@ SPECIAL = ("strategy", "inner_learning_rate", "outer_learning_rate", "inner_beta
            "prune_dimension", "orthogonalize_object")
 IGNORED = {"use_compile": "no torch.compile setting here"}
 KNOWN_KEYS = set(RENAMED) | set(SPECIAL) | set(IGNORED)
-# Strategies defined without outer momentum (SPEC.md: "noMom", "diloco-sgd-isoc", TSV-Merge;
-# the AdamW baseline has no outer step): a momentum that a sweep shared by several strategies
-# sets is not theirs. TIES/DARE and ISO-CTS take an optional momentum, so it is kept for them.
-NO_MOMENTUM = ("adamw_ddp", "diloco_sgd", "isoc", "tsv")
 CHOICES = {
     "prune_method": {"magnitude": "magnitude", "mag": "magnitude", "random": "random",
                      "rand": "random"},
@@ -192,10 +189,10 @@ def model_preset(path: str) -> str | None:
 def strategy_of(params: dict[str, Any]) -> str:
     """Our strategy for one combination of sweep values."""
     raw = str(params["strategy"])
-    if raw not in STRATEGIES:
+    if raw not in RESEARCH_STRATEGIES:
         raise SweepError(f"parameters.strategy: unknown strategy {raw!r} (known: "
-                         f"{', '.join(STRATEGIES)})")
-    strategy = STRATEGIES[raw]
+                         f"{', '.join(RESEARCH_STRATEGIES)})")
+    strategy = RESEARCH_STRATEGIES[raw]
     if (strategy == "ties" and str(params.get("prune_method", "")).lower() == "random"
             and as_bool("rescale_pruned", params.get("rescale_pruned", "false"))
             and not as_bool("ties_disjoint", params.get("ties_disjoint", "true"))):
@@ -218,8 +215,11 @@ def convert_combination(params: dict[str, Any], nproc: int, notes: Notes) -> dic
         return strategy is None or strategies is None or strategy in strategies
 
     def put(key: str, path: str, value: Any) -> None:
-        if not applies(path) or (strategy in NO_MOMENTUM and path in ("outer.momentum",
-                                                                      "outer.nesterov")):
+        # A momentum that a sweep shared by several strategies sets is not theirs where the
+        # strategy is defined without one (the registry's takes_momentum).
+        if not applies(path) or (strategy is not None
+                                 and not STRATEGIES[strategy].takes_momentum
+                                 and path in ("outer.momentum", "outer.nesterov")):
             notes.leave_out(key, strategy)
             return
         out[path] = value

@@ -23,21 +23,12 @@ from isoloco_ray.aggregators.isocts import isocts64
 from isoloco_ray.aggregators.linalg import exact_matmul, mean64
 from isoloco_ray.aggregators.sparsify import PRUNE_DIMS, PRUNE_METHODS, sparse_merge
 from isoloco_ray.aggregators.tsv import tsv64
+from isoloco_ray.strategies import MERGES
 
-STRATEGIES = ("mean", "isoc", "isocts", "tsv", "ties", "dare")
-SPECTRAL = ("isoc", "isocts", "tsv")  # batched float64 linear algebra; the rest is elementwise
-
-# Every option a strategy takes, with its default. None for keep_fraction means 1/R.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "mean": {},
-    "isoc": {},
-    "isocts": {"common_fraction": 0.8},
-    "tsv": {"keep_fraction": None, "decorrelate": True},
-    "ties": {"sparsity": 0.1, "prune": "magnitude", "prune_dim": "all", "rescale": False,
-             "disjoint": True, "generator": None},
-    "dare": {"sparsity": 0.1, "prune": "random", "prune_dim": "all", "rescale": True,
-             "disjoint": False, "generator": None},
-}
+# The merges and every option each takes, with its default (isoloco_ray.strategies, the one
+# registry). None for keep_fraction means 1/R.
+STRATEGIES = tuple(MERGES)
+DEFAULTS: dict[str, dict[str, Any]] = {name: dict(spec.defaults) for name, spec in MERGES.items()}
 
 # Inputs stacked per batched call of a spectral merge (the float64 work needs a few times more).
 _BATCH_BYTES = 256 << 20
@@ -179,7 +170,7 @@ def merge_all(strategy: str, deltas_by_name: Mapping[str, Sequence[Tensor] | Ten
     """
     opts = resolve_options(strategy, options)
     checked = {name: _check_deltas(ds, name) for name, ds in deltas_by_name.items()}
-    if strategy not in SPECTRAL:
+    if not MERGES[strategy].spectral:  # elementwise: tensor by tensor
         merged: dict[str, Tensor] = {}
         gens: dict[int, list[torch.Generator | None]] = {}
         for name, items in checked.items():

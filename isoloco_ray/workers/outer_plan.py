@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from isoloco_ray.strategies import MERGES
 from isoloco_ray.workers.collectives import BUCKET_BYTES, buckets
 
 PLACEMENTS = ("sharded", "rank0", "replicated")
-SPECTRAL = ("isoc", "isocts", "tsv")
 
 
 def merge_cost(shape: torch.Size, merge: str, replicas: int, orthogonalize_update: bool = False
@@ -29,8 +29,9 @@ def merge_cost(shape: torch.Size, merge: str, replicas: int, orthogonalize_updat
     numel = shape.numel()
     cost = float(replicas * numel)
     is_matrix = len(shape) == 2
-    if is_matrix and merge in SPECTRAL:
-        cost += (1 if merge == "isoc" else replicas) * min(shape) * numel
+    spec = MERGES[merge]
+    if is_matrix and spec.spectral:
+        cost += (1 if spec.factored_inputs == "mean" else replicas) * min(shape) * numel
     if is_matrix and orthogonalize_update:
         cost += min(shape) * numel
     return cost

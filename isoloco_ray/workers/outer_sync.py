@@ -30,6 +30,7 @@ import torch
 
 from isoloco_ray import aggregators
 from isoloco_ray.config import OuterConfig
+from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.workers.collectives import (Group, TrafficCounter, all_gather_flat,
                                              all_reduce_scalars, all_reduce_sum, all_to_all_flat,
                                              broadcast_flat, buckets, flatten, group_rank,
@@ -52,29 +53,6 @@ class OuterStepStats:
     bytes_received: int = 0
     dropped: list[int] = field(default_factory=list)
     skipped: bool = False  # every replica was bad: no update this round
-
-
-def merge_options(outer: OuterConfig) -> dict:
-    """The keyword options `aggregators.merge` takes for the configured strategy."""
-    keys = {
-        "isocts": ("common_fraction",),
-        "tsv": ("keep_fraction", "decorrelate"),
-        "ties": ("sparsity", "prune", "prune_dim", "rescale", "disjoint"),
-        "dare": ("sparsity", "prune", "prune_dim", "rescale", "disjoint"),
-    }.get(outer.strategy, ())
-    return {key: getattr(outer, key) for key in keys}
-
-
-def merge_name(outer: OuterConfig) -> str:
-    """The aggregators' merge an outer strategy applies to the gathered pseudo-gradients (for
-    mean-only strategies: to the mean)."""
-    if outer.strategy in ("diloco", "diloco_sgd"):
-        return "mean"
-    if outer.strategy == "isoloco":
-        return "isoc" if outer.orthogonalize == "gradient" else "mean"
-    if outer.strategy == "dare" and not outer.disjoint:
-        return "mean"  # of the replicas' sparsified Δ_r, pruned where they are hosted
-    return outer.strategy
 
 
 def pruning_generator(seed: int, round_index: int, replica: int, tensor: str
@@ -120,16 +98,17 @@ class OuterSync:
             raise ValueError(f"{replicas} replicas cannot be spread evenly over an outer group "
                              f"of {self.ranks} ranks")
         self.hosted_per_rank = replicas // self.ranks
-        self.merge = merge_name(outer)
-        self.mean_only = self.merge in ("mean", "isoc")
+        self.resolved = OuterMerge.of(outer)
+        self.merge = self.resolved.merge
+        self.mean_only = self.resolved.of_mean  # each rank sends the sum of its Δ_r
         self.comm_dtype = COMM_DTYPES[outer.comm_dtype]
         self.optimizer = aggregators.OuterOptimizer(
             lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov,
-            orthogonalize_update=outer.strategy == "isoloco" and outer.orthogonalize == "update")
-        elementwise = self.merge == "mean" and not self.optimizer.orthogonalize_update
+            orthogonalize_update=self.resolved.orthogonalize_update)
         # Whether every rank merges everything (see the module docstring), else owners do.
         self.everyone_merges = outer.placement == "replicated" or (
-            outer.placement == "sharded" and elementwise and self.comm_dtype == torch.float32)
+            outer.placement == "sharded" and self.resolved.elementwise
+            and self.comm_dtype == torch.float32)
         self.traffic = TrafficCounter()
         self._plan: OuterPlan | None = None
 
@@ -230,12 +209,12 @@ class OuterSync:
                 if replica not in good:
                     continue
                 delta = hosted[replica][name]
-                if self.outer.strategy == "dare" and delta.dim() == 2:
-                    # DARE's mean needs only the sum of sparsified Δ_r: prune where hosted.
+                if self.resolved.prune_where_hosted and delta.dim() == 2:
+                    # A mean of sparsified Δ_r needs only their sum: prune where hosted.
                     delta = aggregators.sparsify(
                         delta, self.outer.sparsity, prune=self.outer.prune,
                         prune_dim=self.outer.prune_dim, rescale=self.outer.rescale,
-                        generator=pruning_generator(self.seed, round_index, replica, name))
+                        generator=self._pruning_generators(round_index, [replica], name)[0])
                 total += delta
             payload[name] = [total]
         return payload
@@ -329,16 +308,26 @@ class OuterSync:
             per_rank = self.hosted_per_rank
             gathered = {name: [sources[r // per_rank][r % per_rank].float() for r in good]
                         for name, sources in contributions.items()}
-            directions = self._merge_gathered(gathered, round_index)
+            directions = self._merge_gathered(gathered, good, round_index)
         return {name: self.optimizer.update(name, g) for name, g in directions.items()}
 
-    def _merge_gathered(self, gathered: dict[str, list[torch.Tensor]], round_index: int
-                        ) -> dict[str, torch.Tensor]:
-        options = merge_options(self.outer)
+    def _merge_gathered(self, gathered: dict[str, list[torch.Tensor]], good: Sequence[int],
+                        round_index: int) -> dict[str, torch.Tensor]:
+        """The merge of every good replica's Δ_r (in replica order) of each tensor."""
+        options = {key: getattr(self.outer, key) for key in self.resolved.options}
         if options.get("prune") == "random":
-            # One stream per tensor (see pruning_generator); replica -1: the merge's own draw.
+            # Each replica's mask from its own stream (see pruning_generator): tensor by tensor.
             return {name: aggregators.merge(
-                self.outer.strategy, deltas, **options,
-                generator=pruning_generator(self.seed, round_index, -1, name))
+                self.merge, deltas, **options,
+                generator=self._pruning_generators(round_index, good, name))
                 for name, deltas in gathered.items()}
-        return aggregators.merge_all(self.outer.strategy, gathered, **options)
+        return aggregators.merge_all(self.merge, gathered, **options)
+
+    def _pruning_generators(self, round_index: int, replicas: Sequence[int], tensor: str
+                            ) -> list[torch.Generator | None]:
+        """The random-pruning stream of each of `replicas` for `tensor` this round (None when
+        pruning is by magnitude), wherever the mask is drawn: on the replica's host or at the
+        tensor's owner."""
+        if self.outer.prune != "random":
+            return [None] * len(replicas)
+        return [pruning_generator(self.seed, round_index, r, tensor) for r in replicas]

@@ -1,0 +1,176 @@
+"""The registry of merges and outer strategies: one table that every other part reads.
+
+Two levels (docs/strategies.md has the math):
+
+- A **merge** (`MERGES`) is a pure function of R pseudo-gradients of one tensor, implemented in
+  `isoloco_ray.aggregators`: its options with their defaults, and whether it is spectral
+  (batched float64 linear algebra on each matrix) or elementwise.
+- An **outer strategy** (`STRATEGIES`) is what a run sets in `outer.strategy`: which merge it
+  applies, which `outer.*` options it takes, and the paper's hyperparameters (178M, R = 8).
+
+Config validation, the outer sync (what travels, who merges), the owner plan's cost model,
+the sweep converter and the benchmarks all dispatch on the properties resolved here
+(`OuterMerge`), never on strategy names. Adding a strategy is one entry in `STRATEGIES` (plus
+its merge in `MERGES` and `aggregators` if it is a new function). No torch import: the config
+reads this before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class MergeSpec:
+    """One merge of `aggregators.merge`."""
+
+    name: str
+    defaults: Mapping[str, Any]  # every option it takes, with its default (None: see merge)
+    spectral: bool  # per 2-D tensor: float64 factorisations (else elementwise)
+    of_mean: bool  # a function of the replicas' mean alone: their sum is all it needs
+    factored_inputs: str = "none"  # what a spectral merge factors: "mean" (one) or "each" (R)
+
+
+MERGES: dict[str, MergeSpec] = {spec.name: spec for spec in (
+    MergeSpec("mean", {}, spectral=False, of_mean=True),
+    MergeSpec("isoc", {}, spectral=True, of_mean=True, factored_inputs="mean"),
+    MergeSpec("isocts", {"common_fraction": 0.8}, spectral=True, of_mean=False,
+              factored_inputs="each"),
+    MergeSpec("tsv", {"keep_fraction": None, "decorrelate": True}, spectral=True,
+              of_mean=False, factored_inputs="each"),
+    MergeSpec("ties", {"sparsity": 0.1, "prune": "magnitude", "prune_dim": "all",
+                       "rescale": False, "disjoint": True, "generator": None},
+              spectral=False, of_mean=False),
+    MergeSpec("dare", {"sparsity": 0.1, "prune": "random", "prune_dim": "all", "rescale": True,
+                       "disjoint": False, "generator": None}, spectral=False, of_mean=False),
+)}
+
+# The sparsifying merges' options: with disjoint off, their merge is the mean of the pruned
+# Δ_r, so each Δ_r can be pruned where it is hosted and only the sum travels.
+SPARSIFY_OPTIONS = ("sparsity", "prune", "prune_dim", "rescale")
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One `outer.strategy`: its merge, the options it takes and the paper's settings."""
+
+    name: str
+    summary: str  # one line: what its outer step does
+    merge: str | None  # the merge of MERGES it applies; None: no outer step (adamw_ddp)
+    paper: Mapping[str, Any]  # the paper's values: inner_lr, lr, momentum, nesterov, options
+    options: tuple[str, ...] = ()  # the outer.* merge options it takes
+    momentum_is_optional: bool = False  # takes an outer momentum, though the paper sets none
+    inner_weight_decay: float = 0.1
+
+    @property
+    def has_outer_step(self) -> bool:
+        """False for the data-parallel baseline: no outer lr, momentum or merge."""
+        return self.merge is not None
+
+    @property
+    def takes_momentum(self) -> bool:
+        """Whether outer.momentum means anything for this strategy (the sweep converter leaves
+        a shared momentum out of the others' trials)."""
+        return self.has_outer_step and (self.paper["momentum"] > 0 or self.momentum_is_optional)
+
+
+def _merge_options(merge: str, *extra: str) -> tuple[str, ...]:
+    return tuple(key for key in MERGES[merge].defaults if key != "generator") + extra
+
+
+STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in (
+    StrategySpec("diloco", "Nesterov momentum on the mean Δ", "mean",
+                 dict(inner_lr=1.38e-3, lr=0.7, momentum=0.9, nesterov=True)),
+    StrategySpec("diloco_sgd", "the mean Δ", "mean",
+                 dict(inner_lr=1.38e-3, lr=1.6, momentum=0.0, nesterov=False)),
+    StrategySpec("isoc", "ISO-C of the mean Δ (all singular values set to their mean)", "isoc",
+                 dict(inner_lr=3.91e-3, lr=2.1, momentum=0.0, nesterov=False)),
+    StrategySpec("isoloco", "ISO-C and Nesterov momentum", "isoc",
+                 dict(inner_lr=1.38e-3, lr=1.8, momentum=0.8, nesterov=True,
+                      orthogonalize="gradient"), options=("orthogonalize",)),
+    StrategySpec("isocts", "ISO-CTS: common + per-replica subspaces, isotropic", "isocts",
+                 dict(inner_lr=3.91e-3, lr=3.1, momentum=0.0, nesterov=False,
+                      common_fraction=0.8), options=_merge_options("isocts"),
+                 momentum_is_optional=True),
+    StrategySpec("tsv", "TSV-Merge: per-replica top singular vectors, decorrelated", "tsv",
+                 dict(inner_lr=2.76e-3, lr=0.6, momentum=0.0, nesterov=False, decorrelate=True),
+                 options=_merge_options("tsv")),
+    StrategySpec("ties", "TIES: keep the largest entries of each Δ, sign-elected disjoint mean",
+                 "ties", dict(inner_lr=2.76e-3, lr=0.7, momentum=0.0, nesterov=False,
+                              sparsity=0.1, prune="magnitude", prune_dim="all", rescale=False,
+                              disjoint=True),
+                 options=_merge_options("ties"), momentum_is_optional=True),
+    StrategySpec("dare", "DARE: drop entries of each Δ at random, rescale, mean", "dare",
+                 dict(inner_lr=2.76e-3, lr=1.5, momentum=0.0, nesterov=False, sparsity=0.1,
+                      prune="random", prune_dim="all", rescale=True, disjoint=False),
+                 options=_merge_options("dare"), momentum_is_optional=True),
+    StrategySpec("adamw_ddp", "baseline: AdamW on gradients averaged over all replicas every "
+                 "step", None, dict(inner_lr=1.95e-3, lr=0.0, momentum=0.0, nesterov=False),
+                 inner_weight_decay=0.15),
+)}
+
+# The outer.* settings that only strategies with an outer step take.
+OUTER_STEP_OPTIONS = ("lr", "momentum", "nesterov")
+
+
+def option_strategies() -> dict[str, tuple[str, ...]]:
+    """Each outer.* option -> the strategies that take it (setting it for another strategy is
+    a configuration error, not silently ignored)."""
+    takers: dict[str, list[str]] = {}
+    for spec in STRATEGIES.values():
+        names = spec.options + (OUTER_STEP_OPTIONS if spec.has_outer_step else ())
+        for option in names:
+            takers.setdefault(option, []).append(spec.name)
+    return {option: tuple(names) for option, names in takers.items()}
+
+
+class OuterSettings(Protocol):
+    """What `OuterMerge.of` reads of a config's outer section (config.OuterConfig)."""
+
+    strategy: str
+    orthogonalize: str | None
+    disjoint: bool | None
+
+
+@dataclass(frozen=True)
+class OuterMerge:
+    """How a configured outer step runs, resolved from the registry and the options.
+
+    `merge` is the merge applied to what arrives at a tensor's owner: to the replicas' mean
+    when `of_mean` (each rank sends the sum of its replicas' Δ_r), else to every Δ_r.
+    `prune_where_hosted`: the merge is the mean of sparsified Δ_r (a TIES/DARE merge without
+    the disjoint step), so each Δ_r is pruned on its host and only the sum travels.
+    `orthogonalize_update`: ISO-C applied to the momentum update instead (isoloco, update).
+    """
+
+    strategy: str
+    merge: str
+    of_mean: bool
+    spectral: bool
+    factored_inputs: str
+    prune_where_hosted: bool = False
+    orthogonalize_update: bool = False
+    options: tuple[str, ...] = field(default=())
+
+    @classmethod
+    def of(cls, outer: OuterSettings) -> OuterMerge:
+        """Resolve `outer` (a validated OuterConfig). A strategy without an outer step
+        resolves to the plain mean, which is never applied."""
+        spec = STRATEGIES[outer.strategy]
+        merge, prune_where_hosted, orthogonalize_update = spec.merge or "mean", False, False
+        if spec.name == "isoloco" and outer.orthogonalize == "update":
+            merge, orthogonalize_update = "mean", True
+        if "disjoint" in spec.options and not outer.disjoint:
+            merge, prune_where_hosted = "mean", True
+        merge_spec = MERGES[merge]
+        options = () if merge_spec.name != spec.merge else spec.options
+        return cls(spec.name, merge, merge_spec.of_mean, merge_spec.spectral,
+                   merge_spec.factored_inputs, prune_where_hosted, orthogonalize_update,
+                   tuple(option for option in options if option in merge_spec.defaults))
+
+    @property
+    def elementwise(self) -> bool:
+        """Merge and update are elementwise: every rank can do them on the all-reduced sum."""
+        return self.merge == "mean" and not self.orthogonalize_update

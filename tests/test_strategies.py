@@ -1,0 +1,105 @@
+"""The strategy registry: one table that config, outer sync and aggregators agree on, and
+random-pruning masks keyed by (seed, round, replica, tensor) wherever they are drawn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isoloco_ray import aggregators
+from isoloco_ray.config import OPTION_STRATEGIES, OuterConfig, load_config
+from isoloco_ray.strategies import MERGES, STRATEGIES, OuterMerge
+from isoloco_ray.workers.outer_sync import OuterSync, pruning_generator
+
+REPLICAS = 3
+
+
+def deltas(seed: int = 0) -> dict[int, dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return {r: {"w": torch.randn(6, 5, generator=generator),
+                "norm": torch.randn(5, generator=generator)} for r in range(REPLICAS)}
+
+
+def outer_step(flags: list[str], hosted, diverged=()) -> dict[str, torch.Tensor]:
+    cfg = load_config(flags + [f"--scaling.replicas={REPLICAS}",
+                               "--scaling.replicas_per_worker=3", "--outer.lr=1.0"])
+    params = {"w": torch.zeros(6, 5), "norm": torch.zeros(5)}
+    OuterSync(cfg.outer, REPLICAS, seed=7).step(params, hosted, round_index=4, diverged=diverged)
+    return {name: -value for name, value in params.items()}  # lr 1, no momentum: the merge
+
+
+def kept(delta: torch.Tensor, replica: int, prune: str = "random") -> torch.Tensor:
+    """Replica `replica`'s DARE-pruned Δ, from its own stream."""
+    return aggregators.sparsify(delta, 0.3, prune=prune, rescale=True,
+                                generator=pruning_generator(7, 4, replica, "w"))
+
+
+@pytest.mark.parametrize("disjoint", [False, True])
+def test_dare_masks_are_keyed_by_replica_and_independent_of_who_survived(disjoint):
+    flags = ["--outer.strategy=dare", "--outer.sparsity=0.3", f"--outer.disjoint={disjoint}"]
+    combine = aggregators.disjoint_merge if disjoint else (
+        lambda ts: torch.stack(ts).double().mean(0).float())
+    every = deltas()
+    merged = outer_step(flags, every)
+    torch.testing.assert_close(merged["w"], combine([kept(every[r]["w"], r) for r in range(3)]),
+                               rtol=0, atol=1e-6)
+    # Replica 2 diverged: replicas 0 and 1 keep exactly the masks they had.
+    without_2 = outer_step(flags, every, diverged=[2])
+    torch.testing.assert_close(without_2["w"], combine([kept(every[r]["w"], r) for r in (0, 1)]),
+                               rtol=0, atol=1e-6)
+
+
+def test_ties_without_the_disjoint_step_sends_only_sums_and_merges_the_same():
+    cfg = load_config(["--outer.strategy=ties", "--outer.disjoint=false",
+                       f"--scaling.replicas={REPLICAS}", "--scaling.replicas_per_worker=3"])
+    resolved = OuterMerge.of(cfg.outer)
+    assert (resolved.merge, resolved.of_mean, resolved.prune_where_hosted) == ("mean", True, True)
+    every = deltas()
+    merged = outer_step(["--outer.strategy=ties", "--outer.disjoint=false"], every)
+    expected = aggregators.merge("ties", [every[r]["w"] for r in range(3)], disjoint=False)
+    torch.testing.assert_close(merged["w"], expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(merged["norm"],
+                               torch.stack([every[r]["norm"] for r in range(3)]).mean(0),
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("flags, merge, of_mean, update", [
+    (["--outer.strategy=diloco"], "mean", True, False),
+    (["--outer.strategy=isoc"], "isoc", True, False),
+    (["--outer.strategy=isoloco"], "isoc", True, False),
+    (["--outer.strategy=isoloco", "--outer.orthogonalize=update"], "mean", True, True),
+    (["--outer.strategy=tsv"], "tsv", False, False),
+    (["--outer.strategy=isocts"], "isocts", False, False),
+    (["--outer.strategy=ties"], "ties", False, False),
+    (["--outer.strategy=dare"], "mean", True, False),
+    (["--outer.strategy=dare", "--outer.disjoint=true"], "dare", False, False),
+])
+def test_each_configuration_resolves_to_its_merge(flags, merge, of_mean, update):
+    resolved = OuterMerge.of(load_config(flags).outer)
+    assert (resolved.merge, resolved.of_mean, resolved.orthogonalize_update) == (
+        merge, of_mean, update)
+    assert resolved.spectral == MERGES[merge].spectral
+
+
+def test_every_registered_option_is_a_config_field_with_a_paper_value():
+    fields = set(OuterConfig.model_fields)
+    for spec in STRATEGIES.values():
+        assert set(spec.options) <= fields, spec.name
+        if spec.merge is not None:
+            assert set(spec.options) <= set(MERGES[spec.merge].defaults) | {"orthogonalize"}
+        resolved = load_config([f"--outer.strategy={spec.name}"])
+        assert resolved.inner.lr == spec.paper["inner_lr"]
+        for key, value in spec.paper.items():
+            if key != "inner_lr":
+                assert getattr(resolved.outer, key) == value, (spec.name, key)
+    for option, takers in OPTION_STRATEGIES.items():
+        assert option in fields and all(name in STRATEGIES for name in takers)
+
+
+def test_every_merge_runs_with_its_defaults():
+    matrices = [torch.randn(4, 3, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    for name, spec in MERGES.items():
+        generator = torch.Generator().manual_seed(0) if "generator" in spec.defaults else None
+        options = {"generator": generator} if generator is not None else {}
+        merged = aggregators.merge(name, matrices, **options)
+        assert merged.shape == (4, 3) and torch.isfinite(merged).all(), name
