@@ -132,7 +132,8 @@ def format_progress(metrics: dict[str, Any], rounds: int) -> str:
 def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Event,
                     on_metrics: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Print and record (metrics.jsonl, and `on_metrics`, e.g. W&B) each report rank 0 puts on
-    `queue` until `stop`."""
+    `queue` until `stop`. A failing `on_metrics` is reported once and then left out: the
+    console and metrics.jsonl go on."""
     from ray.util.queue import Empty
 
     with log_path.open("a") as log:
@@ -145,7 +146,13 @@ def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Eve
             log.flush()
             print(format_progress(metrics, rounds), flush=True)
             if on_metrics is not None:
-                on_metrics(metrics)
+                try:
+                    on_metrics(metrics)
+                except Exception as exc:  # noqa: BLE001 - a logger must not stop the record
+                    print(f"warning: logging round {metrics.get('round')} failed "
+                          f"({type(exc).__name__}: {exc}); no further rounds are sent there, "
+                          f"{log_path} keeps every round", file=sys.stderr, flush=True)
+                    on_metrics = None
 
 
 def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any = None,

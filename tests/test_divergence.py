@@ -138,3 +138,38 @@ def test_a_run_that_stopped_exits_1_without_a_summary(small_dataset, tmp_path, m
     assert "the run stopped after round 1: the global parameters are not finite" in \
         capsys.readouterr().err
     assert not (tmp_path / "nan-run" / "summary.json").exists()
+
+
+def test_a_failing_metrics_logger_is_reported_once_and_the_record_goes_on(tmp_path, capsys):
+    import threading
+
+    from ray.util.queue import Empty
+
+    class Queue:  # ray.util.queue.Queue's interface, in process
+        def __init__(self, items):
+            self.items = list(items)
+
+        def get(self, timeout):
+            if not self.items:
+                raise Empty
+            return self.items.pop(0)
+
+        def empty(self):
+            return not self.items
+
+    reports = [{"round": r, "tokens": r, "eval_loss": 2.0, "eval_perplexity": 7.4}
+               for r in range(3)]
+    calls = []
+
+    def failing_logger(metrics):
+        calls.append(metrics["round"])
+        raise ConnectionError("W&B is unreachable")
+
+    stop = threading.Event()
+    stop.set()
+    train.follow_progress(Queue(reports), 3, tmp_path / "metrics.jsonl", stop, failing_logger)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [0, 1, 2]
+    assert calls == [0]
+    err = capsys.readouterr().err
+    assert err.count("warning: logging round 0 failed (ConnectionError: W&B is unreachable)") == 1
