@@ -55,6 +55,7 @@ from isoloco_ray.strategies import STRATEGIES as STRATEGY_SPECS  # noqa: E402
 from isoloco_ray.strategies import OuterMerge  # noqa: E402
 from isoloco_ray.workers import outer_sync  # noqa: E402
 from isoloco_ray.workers.outer_plan import OuterPlan  # noqa: E402
+from isoloco_ray.workers.transport import Contributions  # noqa: E402
 
 OuterSync = outer_sync.OuterSync
 T = TypeVar("T")
@@ -170,7 +171,7 @@ def part1(strategies: list[str], worlds: list[int]) -> None:
 
 # -- part 2: merge seconds -------------------------------------------------------------
 
-def time_updates(outer: OuterConfig, contributions: outer_sync.Contributions,
+def time_updates(outer: OuterConfig, contributions: Contributions,
                  seed: int) -> tuple[OuterSync, dict[str, torch.Tensor], float]:
     """A fresh one-rank OuterSync (no momentum yet), the updates it computes from
     `contributions` (every replica good) and the seconds that took: the best of up to 5

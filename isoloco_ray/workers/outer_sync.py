@@ -1,19 +1,20 @@
 """The outer step: R pseudo-gradients in, one update of the global parameters out.
 
-Communication follows the strategy (DESIGN.md, "Outer sync"). Each rank of the outer group
-hosts L = R / ranks replicas and contributes, per tensor, a payload: the sum of its good
-replicas' Δ_r for the mean-only strategies, every hosted Δ_r for the per-replica merges.
+OuterSync holds the math side: which replicas are good, what each rank contributes (its
+payload), the merge, and the outer momentum; moving payloads and updates between ranks is
+the transport's job (transport.py). Communication follows the strategy (docs/design.md,
+"The outer sync"). Each rank of the outer group hosts L = R / ranks replicas and contributes,
+per tensor, a payload: the sum of its good replicas' Δ_r when the merge needs only their mean,
+every hosted Δ_r for the per-replica merges.
 
 - Owners (rank0 placement, and sharded for merges with per-tensor work): every tensor has an
-  owner rank (outer_plan.py). One all-to-all per bucket carries each payload to the tensor's
-  owner; the owner merges (in float32 or float64), advances the tensor's outer momentum and
-  computes its update u; each owner then broadcasts its updates. Outer momentum lives only
-  with the tensor's owner (as ZeRO-1 shards optimizer state): 1/ranks of it per rank, sharded.
-- Everyone (replicated placement, and sharded for the plain means: diloco, diloco_sgd, dare
-  sent in float32, whose merge is elementwise and perfectly balanced by an all-reduce): every
-  rank gets every payload (one float32 all-reduce of the sums for mean-only strategies, which
-  would round partial sums if reduced in bfloat16; an all-gather in comm_dtype otherwise) and
-  computes every update itself.
+  owner rank (outer_plan.py). The payloads go to the tensor's owner; the owner merges (in
+  float32 or float64), advances the tensor's outer momentum and computes its update u, which
+  it sends back to every rank. Outer momentum lives only with the tensor's owner (as ZeRO-1
+  shards optimizer state): 1/ranks of it per rank, sharded.
+- Everyone (replicated placement, and sharded for the elementwise means, e.g. diloco,
+  diloco_sgd, dare, sent in float32, whose merge is perfectly balanced by an all-reduce):
+  every rank gets every payload and computes every update itself.
 
 Every rank then applies θ ← θ − lr·u to all tensors, so all end bit-identical.
 """
@@ -31,16 +32,9 @@ import torch
 from isoloco_ray import aggregators
 from isoloco_ray.config import OuterConfig
 from isoloco_ray.strategies import OuterMerge
-from isoloco_ray.workers.collectives import (Group, TrafficCounter, all_gather_flat,
-                                             all_reduce_scalars, all_reduce_sum, all_to_all_flat,
-                                             broadcast_flat, buckets, flatten, group_rank,
-                                             group_size, unflatten)
+from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
 from isoloco_ray.workers.outer_plan import OuterPlan
-
-COMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-# name -> (source rank -> that rank's payload tensors of the name)
-Contributions = dict[str, list[list[torch.Tensor]]]
+from isoloco_ray.workers.transport import Contributions, Transport
 
 
 @dataclass
@@ -101,15 +95,14 @@ class OuterSync:
         self.resolved = OuterMerge.of(outer)
         self.merge = self.resolved.merge
         self.mean_only = self.resolved.of_mean  # each rank sends the sum of its Δ_r
-        self.comm_dtype = COMM_DTYPES[outer.comm_dtype]
+        self.transport = Transport(outer.comm_dtype, group)
         self.optimizer = aggregators.OuterOptimizer(
             lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov,
             orthogonalize_update=self.resolved.orthogonalize_update)
         # Whether every rank merges everything (see the module docstring), else owners do.
         self.everyone_merges = outer.placement == "replicated" or (
             outer.placement == "sharded" and self.resolved.elementwise
-            and self.comm_dtype == torch.float32)
-        self.traffic = TrafficCounter()
+            and self.transport.comm_dtype == torch.float32)
         self._plan: OuterPlan | None = None
 
     def plan(self, shapes: Mapping[str, torch.Size]) -> OuterPlan:
@@ -165,19 +158,19 @@ class OuterSync:
             payload = self._payload(hosted, good, round_index)
         if self.everyone_merges:
             with stopwatch(stats, "comm_seconds", device):
-                contributions = self._gather_everything(payload)
+                contributions = self.transport.everything(payload, summed=self.mean_only)
             with stopwatch(stats, "merge_seconds", device):
                 updates = self._updates(contributions, good, round_index)
         else:
             with stopwatch(stats, "comm_seconds", device):
-                contributions = self._send_to_owners(payload, plan)
+                contributions = self.transport.to_owners(payload, plan)
             with stopwatch(stats, "merge_seconds", device):
                 owned_updates = self._updates(contributions, good, round_index)
             with stopwatch(stats, "comm_seconds", device):
-                updates = self._broadcast_from_owners(owned_updates, global_params, plan)
+                updates = self.transport.from_owners(owned_updates, global_params, plan)
         with stopwatch(stats, "merge_seconds", device):
             self.optimizer.apply(global_params, updates)
-        stats.bytes_received = self.traffic.take()
+        stats.bytes_received = self.transport.take_bytes()
         return stats
 
     # -- what each rank contributes ------------------------------------------------------------
@@ -218,76 +211,6 @@ class OuterSync:
                 total += delta
             payload[name] = [total]
         return payload
-
-    # -- moving payloads -----------------------------------------------------------------------
-
-    def _gather_everything(self, payload: Mapping[str, list[torch.Tensor]]) -> Contributions:
-        """Every rank's payload of every tensor, on every rank."""
-        names = list(payload)
-        if self.mean_only:
-            totals = [payload[name][0].clone() for name in names]
-            all_reduce_sum(totals, self.traffic, self.group)
-            return {name: [[total]] for name, total in zip(names, totals)}
-        copies = len(next(iter(payload.values())))
-        contributions: Contributions = {name: [[] for _ in range(self.ranks)] for name in names}
-        sizes = [copies * payload[n][0].numel() * self.comm_dtype.itemsize for n in names]
-        for index in buckets(sizes):
-            chunk = [names[i] for i in index]
-            local = self._pack(payload, chunk)
-            for source, flat in enumerate(all_gather_flat(local, self.traffic, self.group)):
-                self._unpack(flat, payload, chunk, contributions, source)
-        return contributions
-
-    def _send_to_owners(self, payload: Mapping[str, list[torch.Tensor]], plan: OuterPlan
-                        ) -> Contributions:
-        """Every rank's payload of the tensors this rank owns (all-to-all, bucketed)."""
-        copies = len(next(iter(payload.values())))
-        numels = {name: tensors[0].numel() for name, tensors in payload.items()}
-        contributions: Contributions = {name: [[] for _ in range(self.ranks)]
-                                        for name in plan.owned[self.rank]}
-        for step in plan.transfer_steps(numels, self.comm_dtype.itemsize, copies):
-            outgoing = [self._pack(payload, names) for names in step]
-            mine = step[self.rank]
-            size = copies * sum(numels[name] for name in mine)
-            incoming = all_to_all_flat(outgoing, [size] * self.ranks, self.traffic, self.group)
-            for source, flat in enumerate(incoming):
-                self._unpack(flat, payload, mine, contributions, source)
-        return contributions
-
-    def _broadcast_from_owners(self, owned: Mapping[str, torch.Tensor],
-                               params: Mapping[str, torch.Tensor], plan: OuterPlan
-                               ) -> dict[str, torch.Tensor]:
-        """Every tensor's update, from its owner, on every rank: the owner's too goes through
-        comm_dtype, so all ranks apply the same values."""
-        numels = {name: p.numel() for name, p in params.items()}
-        updates = {}
-        device = next(iter(params.values())).device
-        for step in plan.transfer_steps(numels, self.comm_dtype.itemsize):
-            for owner, names in enumerate(step):
-                if not names:
-                    continue
-                if owner == self.rank:
-                    flat = flatten([owned[name] for name in names], self.comm_dtype, device)
-                else:
-                    flat = torch.empty(sum(numels[n] for n in names), dtype=self.comm_dtype,
-                                       device=device)
-                broadcast_flat(flat, owner, self.traffic, self.group)
-                for name, value in zip(names, unflatten(flat, [params[n].shape for n in names])):
-                    updates[name] = value.float()
-        return updates
-
-    def _pack(self, payload: Mapping[str, list[torch.Tensor]], names: Sequence[str]
-              ) -> torch.Tensor:
-        device = next(iter(payload.values()))[0].device
-        return flatten([t for name in names for t in payload[name]], self.comm_dtype, device)
-
-    @staticmethod
-    def _unpack(flat: torch.Tensor, payload: Mapping[str, list[torch.Tensor]],
-                names: Sequence[str], into: Contributions, source: int) -> None:
-        shapes = [t.shape for name in names for t in payload[name]]
-        views = iter(unflatten(flat, shapes))
-        for name in names:
-            into[name][source] = [next(views) for _ in payload[name]]
 
     # -- merging -------------------------------------------------------------------------------
 
