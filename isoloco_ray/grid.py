@@ -20,8 +20,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from isoloco_ray.config import (ConfigError, TrainConfig, build_config, field_paths,
-                                format_validation_error, merge_nested, read_yaml_config)
+from isoloco_ray.config import (NAME_MAX_LEN, ConfigError, TrainConfig, build_config,
+                                check_name, field_paths, format_validation_error, merge_nested,
+                                read_yaml_config)
 
 SummaryMetric = Literal["final_eval_loss", "final_eval_perplexity", "tokens_per_s", "seconds",
                         "train_seconds", "outer_bytes_per_round"]
@@ -90,8 +91,8 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
 class GridFile(_Strict):
     """A grid file: base config, grid, explicit trials, ranking metric, resources."""
 
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-                             description="grid name (default: the file's name)")
+    name: str | None = Field(None, description="grid name, its directory under "
+                             "run.storage_path (default: the file's name)")
     base: dict[str, Any] = Field(default_factory=dict, description="the training config every "
                                  "trial starts from (sections as in the train CLI's YAML)")
     grid: dict[str, list[Any]] = Field(default_factory=dict, description="field path -> values; "
@@ -101,6 +102,11 @@ class GridFile(_Strict):
                                          "with the grid")
     metric: MetricSpec = MetricSpec()
     resources: TrialResources = TrialResources()
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str | None) -> str | None:
+        return None if name is None else check_name(name, "name")
 
     @field_validator("grid")
     @classmethod
@@ -151,19 +157,38 @@ def expand(grid_file: GridFile) -> list[dict[str, Any]]:
     return expanded
 
 
-def expand_env_paths(values: dict[str, Any]) -> dict[str, Any]:
-    """`values` with environment references in path fields ($DATA_DIR/x) expanded."""
+def unset_variable(raw: str) -> str | None:
+    """The first environment variable `raw` refers to ($DATA_DIR, ${DATA_DIR}) that is not
+    set, or None."""
+    missing = re.search(r"\$\{?(\w+)", os.path.expandvars(raw))
+    return missing.group(1) if missing else None
+
+
+def add_warning(warnings: list[str], message: str) -> None:
+    """Append `message` to `warnings` unless it is there already (one warning per cause)."""
+    if message not in warnings:
+        warnings.append(message)
+
+
+def expand_env_paths(values: dict[str, Any],
+                     warnings: list[str] | None = None) -> dict[str, Any]:
+    """`values` with environment references in path fields ($DATA_DIR/x) expanded.
+
+    An unset variable is a ConfigError; with a `warnings` list (a dry run) the path stays as
+    written and a warning is added instead."""
     values = json.loads(json.dumps(values, default=str))
     for path in ENV_PATH_FIELDS:
         section, name = path.split(".")
         raw = values.get(section, {}).get(name)
         if isinstance(raw, str) and "$" in raw:
-            expanded = os.path.expandvars(raw)
-            missing = re.search(r"\$\{?(\w+)", expanded)
-            if missing:
-                raise ConfigError(f"{path}: environment variable {missing.group(1)} is not set "
-                                  f"({raw})")
-            values[section][name] = expanded
+            missing = unset_variable(raw)
+            if missing is None:
+                values[section][name] = os.path.expandvars(raw)
+                continue
+            message = f"{path}: environment variable {missing} is not set ({raw})"
+            if warnings is None:
+                raise ConfigError(f"{message}; set it, or set {path} without it")
+            add_warning(warnings, f"{message}; a dry run keeps the path as written")
     return values
 
 
@@ -192,7 +217,9 @@ def trial_name(index: int, width: int, strategy: str, overrides: dict[str, Any],
     the trial sets). It names the trial's run directory, so --resume finds the same run."""
     parts = [f"{index:0{width}d}", strategy]
     parts += [f"{path}={value}" for path, value in overrides.items() if path in fields]
-    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", "-".join(parts))[:120]
+    name = re.sub(r"[^A-Za-z0-9._=,+-]", "_", "-".join(parts))[:NAME_MAX_LEN]
+    # Starts with the index, safe characters only, bounded: unique and one path component.
+    return check_name(name, "trial name")
 
 
 @dataclass
@@ -211,12 +238,13 @@ class Trial:
         return self.config.run.storage_path / self.config.run.name
 
 
-def build_trials(grid_file: GridFile, cli_overrides: dict[str, Any],
-                 grid_dir: Path) -> list[Trial]:
+def build_trials(grid_file: GridFile, cli_overrides: dict[str, Any], grid_dir: Path,
+                 warnings: list[str] | None = None) -> list[Trial]:
     """Every trial as a validated TrainConfig whose run lives under `grid_dir/runs/`.
 
     `cli_overrides` (nested, from --section.field=value) change the base; setting a field the
-    grid varies is an error. Raises ConfigError naming the trial and the field."""
+    grid varies is an error. Raises ConfigError naming the trial and the field. `warnings`
+    (a dry run): an unset environment variable in a path is a warning there, not an error."""
     expanded = expand(grid_file)
     varied = {path for overrides in expanded for path in overrides}
     for path in flatten(cli_overrides):
@@ -227,7 +255,8 @@ def build_trials(grid_file: GridFile, cli_overrides: dict[str, Any],
     configs = []
     for index, overrides in enumerate(expanded):
         try:
-            configs.append(build_config(expand_env_paths(merge_nested(base, nest(overrides)))))
+            values = expand_env_paths(merge_nested(base, nest(overrides)), warnings)
+            configs.append(build_config(values))
         except ConfigError as exc:
             raise ConfigError(f"trial {index} ({describe(overrides)}): " + str(exc).replace(
                 "\n", f"\ntrial {index}: ")) from None
@@ -246,31 +275,76 @@ def build_trials(grid_file: GridFile, cli_overrides: dict[str, Any],
     return trials
 
 
-def grid_directory(grid_file: GridFile, cli_overrides: dict[str, Any], name: str) -> Path:
-    """`run.storage_path` of the base (default runs/) / the grid's name, absolute."""
-    base = expand_env_paths(merge_nested(grid_file.base, cli_overrides))
+def grid_directory(grid_file: GridFile, cli_overrides: dict[str, Any], name: str,
+                   warnings: list[str] | None = None) -> Path:
+    """`run.storage_path` of the base (default runs/) / the grid's name, absolute.
+
+    `warnings`: as in expand_env_paths (a dry run)."""
+    base = expand_env_paths(merge_nested(grid_file.base, cli_overrides), warnings)
     storage = Path(base.get("run", {}).get("storage_path") or "runs")
     return storage.expanduser().resolve() / name
 
 
-def validate_against_data(trials: list[Trial]) -> None:
+def validate_against_data(trials: list[Trial], warnings: list[str] | None = None) -> None:
     """Check every trial against its data (and W&B availability); sets `trial.data_dir`.
 
-    ConfigError/DataError naming the trial. Each data directory is read once."""
-    from isoloco_ray.data.format import DataError, DatasetMeta
-    from isoloco_ray.train import check_against_data, resolve_data_dir
+    ConfigError/DataError naming the trial. Each data directory is read once. With a
+    `warnings` list (a dry run, e.g. on a laptop without the cluster's data) a data directory
+    that is missing, broken or named with an unset variable is one warning naming its trials,
+    and those trials are not checked against it; a config that does not fit data that is
+    there is still an error."""
+    from isoloco_ray.data.format import DataError
+    from isoloco_ray.train import check_against_data
     from isoloco_ray.wandb_log import check_wandb_available
 
-    seen: dict[Any, tuple[Path, DatasetMeta]] = {}
+    data: dict[Any, tuple[Path, Any] | str] = {}  # data.path -> (directory, meta), or why not
+    unchecked: dict[Any, list[int]] = {}  # data.path -> trials not checked (a dry run)
     for trial in trials:
         cfg = trial.config
         try:
-            if cfg.data.path not in seen:
-                data_dir = resolve_data_dir(cfg)
-                seen[cfg.data.path] = data_dir, DatasetMeta.load(data_dir)
-            data_dir, meta = seen[cfg.data.path]
-            check_against_data(cfg, meta, data_dir)
+            if cfg.data.path not in data:
+                data[cfg.data.path] = _load_data(cfg, lenient=warnings is not None)
+            loaded = data[cfg.data.path]
+            if isinstance(loaded, tuple):
+                try:
+                    check_against_data(cfg, loaded[1], loaded[0])
+                    trial.data_dir = loaded[0]
+                except DataError as exc:  # the data is broken (or not this model's)
+                    if warnings is None:
+                        raise
+                    data[cfg.data.path] = str(exc)
+            if trial.data_dir is None:
+                unchecked.setdefault(cfg.data.path, []).append(trial.index)
             check_wandb_available(cfg)
         except (ConfigError, DataError) as exc:
             raise type(exc)(f"trial {trial.index} ({describe(trial.overrides)}): {exc}") from None
-        trial.data_dir = data_dir
+    for path, indices in unchecked.items():
+        add_warning(warnings, f"{format_indices(indices)} not checked against their data: "
+                              f"{data[path]}")
+
+
+def _load_data(cfg: TrainConfig, lenient: bool) -> tuple[Path, Any] | str:
+    """(data directory, its DatasetMeta) of `cfg`; ConfigError/DataError when it is missing
+    or broken, or when `lenient` (a dry run) the reason as a string."""
+    from isoloco_ray.data.format import DataError, DatasetMeta
+    from isoloco_ray.train import resolve_data_dir
+
+    raw = "" if cfg.data.path is None else str(cfg.data.path)
+    if lenient and unset_variable(raw) is not None:
+        return f"data.path {raw} names the unset environment variable {unset_variable(raw)}"
+    try:
+        data_dir = resolve_data_dir(cfg)
+        return data_dir, DatasetMeta.load(data_dir)
+    except (ConfigError, DataError) as exc:
+        if not lenient:
+            raise
+        return str(exc)
+
+
+def format_indices(indices: list[int]) -> str:
+    """`trial 3`, `trials 0-4` (a run of indices) or `trials 0, 2, 5`."""
+    if len(indices) == 1:
+        return f"trial {indices[0]}"
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"trials {indices[0]}-{indices[-1]}"
+    return "trials " + ", ".join(str(i) for i in indices)

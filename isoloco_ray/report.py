@@ -8,6 +8,10 @@ a report can be regenerated at any time, without Ray, also while a grid is still
 Written to DIR: `results.md` and `results.csv` (one row per run, best first), `eval_loss.png`
 (eval loss against training tokens, one line per run; needs matplotlib, the `plot` extra) and,
 for several runs, `best_config.yaml` (the best finished run's config, for the train CLI).
+
+A run whose final eval loss is not a finite number (NaN, inf; null in the strict JSON that
+isoloco_ray.strict_json writes) is `diverged`: it ranks after every other run and is never the
+best. Files written before strict JSON, with NaN/Infinity in them, are read as well.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isoloco_ray import strict_json
+from isoloco_ray.config import check_name
 from isoloco_ray.grid import flatten
 
 GRID_FILE = "grid.json"  # written by isoloco_ray.tune: name, metric, mode, trials
@@ -28,12 +34,21 @@ RUNS_DIR = "runs"  # a grid's run directories
 ERROR_FILE = "error.txt"  # written by a failed grid trial: the traceback
 SUMMARY_METRICS = ("final_eval_loss", "final_eval_perplexity", "tokens_per_s", "seconds",
                    "train_seconds", "outer_bytes_per_round")
+# A finished run with one of these not a finite number (or null) diverged.
+DIVERGED_IF_NOT_FINITE = ("final_eval_loss", "final_eval_perplexity")
 # Fields every run sets differently by construction: never "varied" in a table.
 _IGNORED_FIELDS = ("run.name", "run.storage_path", "outer.strategy")
 
 
 class ReportError(ValueError):
     """A directory with nothing to report, or an unreadable run file."""
+
+
+def finite(value: Any) -> float | None:
+    """`value` as a float if it is a finite number, else None (NaN, inf, null, text)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 @dataclass
@@ -51,9 +66,12 @@ class RunRecord:
 
     @property
     def status(self) -> str:
-        """done, failed, incomplete (running or interrupted) or pending (not started)."""
+        """done, diverged (finished with a non-finite final eval loss), failed, incomplete
+        (running or interrupted) or pending (not started)."""
         if self.summary is not None:
-            return "done"
+            diverged = any(key in self.summary and finite(self.summary[key]) is None
+                           for key in DIVERGED_IF_NOT_FINITE)
+            return "diverged" if diverged else "done"
         if self.error is not None:
             return "failed"
         return "incomplete" if self.metrics else "pending"
@@ -70,13 +88,17 @@ class RunRecord:
         return [(m["tokens"], m["eval_loss"]) for m in self.metrics if "eval_loss" in m]
 
     def value(self, metric: str) -> float | None:
-        """`metric` of the finished run, or for an unfinished one its latest eval loss."""
+        """`metric` of the finished run, or for an unfinished one its latest eval loss; may be
+        NaN or inf (shown as such), None when unknown."""
         if self.summary is not None:
             value = self.summary.get(metric)
+            if value is None and metric in DIVERGED_IF_NOT_FINITE and metric in self.summary:
+                return math.nan  # strict JSON's null for NaN/inf
             return float(value) if isinstance(value, (int, float)) else None
         evals = self.evals()
         if evals and metric in ("final_eval_loss", "final_eval_perplexity"):
             loss = evals[-1][1]
+            loss = math.nan if loss is None else float(loss)  # null: not finite
             return loss if metric == "final_eval_loss" else math.exp(min(loss, 50.0))
         return None
 
@@ -98,19 +120,22 @@ class Report:
     mode: str = "min"
 
     def ranked(self) -> list[RunRecord]:
-        """Runs best first; runs without the metric last, in their original order."""
+        """Runs best first; then runs without the metric, then diverged runs and runs whose
+        metric is NaN or inf, each group in its original order."""
         sign = 1.0 if self.mode == "min" else -1.0
 
         def key(run: RunRecord) -> tuple[int, float]:
             value = run.value(self.metric)
+            if run.status == "diverged" or (value is not None and finite(value) is None):
+                return (2, 0.0)
             return (1, 0.0) if value is None else (0, sign * value)
 
         return sorted(self.runs, key=key)
 
     def best(self) -> RunRecord | None:
-        """The best finished run."""
+        """The best finished run (never one that diverged or whose metric is not finite)."""
         return next((run for run in self.ranked() if run.status == "done"
-                     and run.value(self.metric) is not None), None)
+                     and finite(run.value(self.metric)) is not None), None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,8 +201,19 @@ def varied_fields(configs: list[dict[str, Any]]) -> list[str]:
 def load_report(directory: Path) -> Report:
     """The runs in `directory`: a grid, a single run, or a directory of runs."""
     directory = directory.expanduser().resolve()
+    if not directory.exists():
+        raise ReportError(f"{directory} does not exist; give a grid directory, a run directory "
+                          "or a directory of runs")
+    if not directory.is_dir():
+        raise ReportError(f"{directory} is a file, not a directory; give the directory that "
+                          "holds it (a grid directory, a run directory or a directory of runs)")
     if (directory / GRID_FILE).is_file():
         grid = _read_json(directory / GRID_FILE)
+        for trial in grid["trials"]:  # each names a directory under runs/, nothing outside
+            try:
+                check_name(trial["name"], f"{directory / GRID_FILE}: trial name")
+            except ValueError as exc:
+                raise ReportError(str(exc)) from None
         runs = [load_run(directory / RUNS_DIR / t["name"], t["name"], t.get("overrides"))
                 for t in grid["trials"]]
         for run, trial in zip(runs, grid["trials"]):
@@ -188,8 +224,6 @@ def load_report(directory: Path) -> Report:
                       grid.get("mode", "min"))
     if is_run_dir(directory):
         return Report(f"run {directory.name}", [load_run(directory)], [])
-    if not directory.is_dir():
-        raise ReportError(f"{directory} does not exist")
     runs = [load_run(path) for path in sorted(directory.iterdir())
             if path.is_dir() and is_run_dir(path)]
     if not runs:
@@ -251,7 +285,8 @@ def markdown_report(report: Report) -> str:
     text = [f"# {report.title}", "",
             f"Ranked by `{report.metric}` ({'lower' if report.mode == 'min' else 'higher'} is "
             "better). final eval loss: the validation loss at the end (for unfinished runs, the "
-            "latest); seconds: the whole run, start-up included.", "", markdown_table(report)]
+            "latest); seconds: the whole run, start-up included; diverged: finished with a "
+            "non-finite eval loss, ranked last.", "", markdown_table(report)]
     failed = [run for run in report.runs if run.status == "failed"]
     if failed:
         text += ["", "## Failed", ""]
@@ -282,12 +317,16 @@ def plot_eval_loss(report: Report, path: Path) -> bool:
 
     from matplotlib.ticker import EngFormatter
 
-    runs = [run for run in report.ranked() if run.evals()]
+    # NaN/inf points are left out (matplotlib cannot scale an axis to them); a run with
+    # none left has no line, its status is in the table.
+    evals = {id(run): [(t, loss) for t, loss in run.evals() if finite(loss) is not None]
+             for run in report.runs}
+    runs = [run for run in report.ranked() if evals[id(run)]]
     fig, (full, zoom) = plt.subplots(1, 2, figsize=(12, 5))
-    halfway = max((t for run in runs for t, _ in run.evals()), default=0) / 2
+    halfway = max((t for run in runs for t, _ in evals[id(run)]), default=0) / 2
     zoom_values = []
     for run in runs:
-        tokens, losses = zip(*run.evals())
+        tokens, losses = zip(*evals[id(run)])
         label = run.name if run.status == "done" else f"{run.name} ({run.status})"
         (line,) = full.plot(tokens, losses, marker="o", markersize=3, label=label)
         half = [(t, v) for t, v in zip(tokens, losses) if t >= halfway]
@@ -304,7 +343,8 @@ def plot_eval_loss(report: Report, path: Path) -> bool:
         low, high = min(zoom_values), max(zoom_values)
         zoom.set_ylim(low - 0.05 * (high - low + 1e-3), high + 0.05 * (high - low + 1e-3))
     fig.suptitle(f"{report.title}: eval loss")
-    full.legend(fontsize="small")
+    if runs:
+        full.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -321,7 +361,7 @@ def best_config_yaml(report: Report) -> str | None:
     best = report.best()
     if best is None or best.config is None:
         return None
-    config = json.loads(json.dumps(best.config))
+    config = strict_json.finite_or_none(best.config)
     for key in ("name", "storage_path"):
         config.get("run", {}).pop(key, None)
     header = (f"# Best of {report.title}: {best.name}, {report.metric} "

@@ -9,14 +9,24 @@ grid) the results table, eval-loss plot and best config are written (isoloco_ray
 
 Layout of a grid directory (`<run.storage_path>/<grid name>/`): `grid.json` (the trials),
 `runs/<trial>/` (each trial's training run, as the train CLI writes it), `tune/` (Tune's
-experiment state, which `--resume` restores), `results.md`, `results.csv`, `eval_loss.png`,
-`best_config.yaml`.
+experiment; each `--resume` gets a fresh one, `tune-resume-<n>/`), `results.md`,
+`results.csv`, `eval_loss.png`, `best_config.yaml`.
+
+`--resume` never reads Tune's state: grid directories live on shared storage, and Tune's
+state is pickled (`tuner.pkl`, pickles inside `experiment_state-*.json`, searcher state), so a
+tampered file would run code. The grid's own JSON decides instead: `grid.json` must match the
+command line, and a trial whose run directory holds `summary.json` (finished) or `error.txt`
+(failed) is kept; the others run in a fresh Tuner under their old names, so Ray Train finds
+their run directories and continues from their last checkpoint (Ray Train reads
+`checkpoint_manager_snapshot.json`, JSON; the checkpoints load with
+`torch.load(weights_only=True)`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -29,14 +39,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray.config import ConfigError, TrainConfig, parse_cli_overrides
+from isoloco_ray import strict_json
+from isoloco_ray.config import ConfigError, TrainConfig, check_name, parse_cli_overrides
 from isoloco_ray.data.format import DataError
 from isoloco_ray.grid import (GridFile, Trial, build_trials, describe, grid_directory,
                               load_grid_file, validate_against_data)
-from isoloco_ray.report import ERROR_FILE, GRID_FILE, last_error_line, print_report, write_report
+from isoloco_ray.report import (ERROR_FILE, GRID_FILE, RunRecord, finite, last_error_line,
+                                print_report, write_report)
+from isoloco_ray.train import check_writable
 
 PROG = "python -m isoloco_ray.tune"
-TUNE_DIR = "tune"  # Tune's experiment inside the grid directory
+TUNE_DIR = "tune"  # Tune's experiment inside the grid directory (a resume's: tune-resume-<n>)
+SUMMARY_FILE = "summary.json"  # written by a finished run
 # Logical CPUs a trial needs beyond its driver and workers: Ray Data's read tasks.
 DATA_CPUS = 1.0
 
@@ -49,6 +63,7 @@ class GridPlan:
     grid_dir: Path
     file: GridFile
     trials: list[Trial]
+    warnings: list[str] = dataclasses.field(default_factory=list)  # a dry run's, e.g. no data
 
     def manifest(self, max_concurrent: int | None) -> dict[str, Any]:
         """grid.json: what `report` and `--resume` need to know about the grid."""
@@ -59,16 +74,38 @@ class GridPlan:
                             "config": t.config.model_dump(mode="json")} for t in self.trials]}
 
 
-def plan_grid(path: Path, cli_args: list[str], name: str | None = None) -> GridPlan:
+def grid_name(path: Path, grid_file: GridFile | None, name: str | None) -> str:
+    """The grid's name, its directory: `--name`, else the file's `name:`, else the file's
+    name; ConfigError unless it is one safe directory name (config.check_name)."""
+    try:
+        if name is not None:
+            return check_name(name, "--name")
+        if grid_file is not None and grid_file.name is not None:
+            return grid_file.name  # checked when the file was loaded
+        return check_name(path.stem, f"the grid's name (from the file name {path.name})")
+    except ValueError as exc:
+        hint = "" if name is not None else "; set name: in the file or pass --name"
+        raise ConfigError(f"{exc}{hint}") from None
+
+
+def plan_grid(path: Path, cli_args: list[str], name: str | None = None,
+              dry_run: bool = False) -> GridPlan:
     """Load, expand and validate the grid file with the command line's overrides, against
-    the data too; raises ConfigError/DataError naming the trial and the field."""
+    the data too; raises ConfigError/DataError naming the trial and the field.
+
+    In a `dry_run`, an unset environment variable in a path and missing or broken data are
+    warnings (`GridPlan.warnings`), so a grid can be checked away from its cluster."""
+    if name is not None:
+        name = grid_name(path, None, name)  # checked before anything is read
     overrides = parse_cli_overrides(cli_args, PROG)
     grid_file = load_grid_file(path)
-    name = name or grid_file.name or path.stem
-    grid_dir = grid_directory(grid_file, overrides, name)
-    trials = build_trials(grid_file, overrides, grid_dir)
-    validate_against_data(trials)
-    return GridPlan(name, grid_dir, grid_file, trials)
+    if name is None:
+        name = grid_name(path, grid_file, None)
+    warnings: list[str] | None = [] if dry_run else None
+    grid_dir = grid_directory(grid_file, overrides, name, warnings)
+    trials = build_trials(grid_file, overrides, grid_dir, warnings)
+    validate_against_data(trials, warnings)
+    return GridPlan(name, grid_dir, grid_file, trials, warnings or [])
 
 
 def print_plan(plan: GridPlan) -> None:
@@ -104,8 +141,8 @@ def run_trial(params: dict[str, Any]) -> dict[str, Any]:
     cfg = TrainConfig.model_validate(trial["config"])
     data_dir = Path(trial["data_dir"])
     run_dir = cfg.run.storage_path / cfg.run.name
-    if (run_dir / "summary.json").is_file():
-        return json.loads((run_dir / "summary.json").read_text())
+    if (run_dir / SUMMARY_FILE).is_file():
+        return strict_json.finite_or_none(json.loads((run_dir / SUMMARY_FILE).read_text()))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
@@ -118,7 +155,10 @@ def run_trial(params: dict[str, Any]) -> dict[str, Any]:
     except Exception:
         (run_dir / ERROR_FILE).write_text(traceback.format_exc())
         raise
-    return write_summary(cfg, final, data_dir, run_dir, time.perf_counter() - started)
+    # summary.json is strict JSON (a NaN eval loss is null: the report says "diverged");
+    # so is what Tune records.
+    summary = write_summary(cfg, final, data_dir, run_dir, time.perf_counter() - started)
+    return strict_json.finite_or_none(summary)
 
 
 def trial_name(trial: Any) -> str:
@@ -144,8 +184,11 @@ def _progress_printer() -> Any:
                               **info: Any) -> None:
             result = trial.last_result or {}
             if "final_eval_loss" in result:
-                print(f"{trial_name(trial)}: done, final eval loss "
-                      f"{result['final_eval_loss']:.4f}, {result['seconds']:.0f}s", flush=True)
+                loss = finite(result["final_eval_loss"])
+                print(f"{trial_name(trial)}: "
+                      + (f"done, final eval loss {loss:.4f}" if loss is not None else
+                         "diverged, final eval loss not a finite number")
+                      + f", {result.get('seconds', 0.0):.0f}s", flush=True)
 
         def on_trial_error(self, iteration: int, trials: list, trial: Any,
                            **info: Any) -> None:
@@ -223,73 +266,134 @@ def quiet_tune() -> Iterator[None]:
             logger.setLevel(level)
 
 
+def unfinished_trials(trials: list[Trial]) -> list[Trial]:
+    """The trials a resume runs again: those whose run directory holds neither summary.json
+    (finished) nor error.txt (failed). Read from our own files only, never Tune's state."""
+    return [trial for trial in trials if not (trial.run_dir / SUMMARY_FILE).is_file()
+            and not (trial.run_dir / ERROR_FILE).is_file()]
+
+
+def new_experiment_name(grid_dir: Path) -> str:
+    """The name of a fresh Tune experiment in `grid_dir`: `tune`, else (a resume)
+    `tune-resume-<n>` with the first n not taken. Tune never sees an older experiment's
+    (pickled) state, so it has none to load."""
+    if not (grid_dir / TUNE_DIR).exists():
+        return TUNE_DIR
+    n = 1
+    while (grid_dir / f"{TUNE_DIR}-resume-{n}").exists():
+        n += 1
+    return f"{TUNE_DIR}-resume-{n}"
+
+
+def read_manifest(plan: GridPlan) -> dict[str, Any]:
+    """The stored grid.json of the grid to resume; ConfigError unless it holds the same
+    trials as `plan` (same file, same flags)."""
+    path = plan.grid_dir / GRID_FILE
+    if not path.is_file():
+        raise ConfigError(f"--resume: {plan.grid_dir} holds no grid to resume (no {GRID_FILE})")
+    try:
+        stored = json.loads(path.read_text())
+        trials = stored["trials"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--resume: cannot read {path} ({exc}); start a new grid (--name)"
+                          ) from None
+    if trials != json.loads(strict_json.dumps(plan.manifest(None)))["trials"]:
+        raise ConfigError(f"--resume: the grid's trials changed since {plan.grid_dir} was "
+                          "started; resume with the same file and flags, or start a new grid "
+                          "(--name)")
+    concurrency = stored.get("max_concurrent")
+    if concurrency is not None and (type(concurrency) is not int or concurrency < 1):
+        raise ConfigError(f"--resume: {path}: max_concurrent must be a whole number >= 1 or "
+                          f"null (got {concurrency!r}); start a new grid (--name)")
+    return stored
+
+
 def run_grid(plan: GridPlan, max_concurrent: int | None, resume: bool) -> int:
     """Run (or resume) the grid with Ray Tune, then write and print the report.
 
-    Returns 0 when every trial finished, 1 when any failed or did not finish, 2 when the grid
-    directory does not match the request."""
+    A resume runs only the unfinished trials (unfinished_trials), in a fresh Tune experiment.
+    Returns 0 when every trial finished, 1 when any failed, diverged or did not finish, 2 when
+    the grid directory does not match the request."""
+    manifest_path = plan.grid_dir / GRID_FILE
+    todo = plan.trials
+    try:
+        if resume:
+            stored = read_manifest(plan)
+            if max_concurrent is not None and max_concurrent != stored.get("max_concurrent"):
+                print("note: --resume keeps the concurrency the grid started with "
+                      f"({stored.get('max_concurrent') or 'as many as fit'})", file=sys.stderr)
+            max_concurrent = stored.get("max_concurrent")
+            todo = unfinished_trials(plan.trials)
+        elif manifest_path.exists() or (plan.grid_dir / TUNE_DIR).exists():
+            raise ConfigError(f"{plan.grid_dir} already holds a grid; continue it with --resume "
+                              "or choose another --name")
+        check_writable(plan.grid_dir.parent)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    if todo:
+        run_trials(dataclasses.replace(plan, trials=todo), max_concurrent, resume)
+    else:
+        print(f"grid {plan.name}: every trial has finished or failed; nothing to resume",
+              flush=True)
+
+    report, written = write_report(plan.grid_dir)
+    print_report(report, written)
+    return grid_status(report.runs)
+
+
+def run_trials(plan: GridPlan, max_concurrent: int | None, resume: bool) -> None:
+    """Run `plan.trials` in a fresh Tune experiment of the grid directory (the first run's
+    writes grid.json too)."""
     from ray import tune
 
     from isoloco_ray.wandb_log import export_wandb_mode, tune_wandb_callback
 
-    tune_dir = plan.grid_dir / TUNE_DIR
-    manifest_path = plan.grid_dir / GRID_FILE
-    if resume:
-        if not manifest_path.is_file() or not tune.Tuner.can_restore(tune_dir):
-            print(f"error: --resume: {plan.grid_dir} holds no grid to resume", file=sys.stderr)
-            return 2
-        stored = json.loads(manifest_path.read_text())
-        if stored["trials"] != plan.manifest(None)["trials"]:
-            print(f"error: --resume: the grid's trials changed since {plan.grid_dir} was started;"
-                  " resume with the same file and flags, or start a new grid (--name)",
-                  file=sys.stderr)
-            return 2
-        if max_concurrent is not None and max_concurrent != stored.get("max_concurrent"):
-            print("note: --resume keeps the concurrency the grid started with "
-                  f"({stored.get('max_concurrent') or 'as many as fit'})", file=sys.stderr)
-        max_concurrent = stored.get("max_concurrent")
-    elif manifest_path.exists() or tune_dir.exists():
-        print(f"error: {plan.grid_dir} already holds a grid; continue it with --resume or "
-              "choose another --name", file=sys.stderr)
-        return 2
-
     concurrency = start_cluster(plan, max_concurrent)
     plan.grid_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
-        manifest_path.write_text(json.dumps(plan.manifest(max_concurrent), indent=2))
-    print(f"grid {plan.name}: {len(plan.trials)} trials, up to {concurrency} at once, "
-          f"in {plan.grid_dir}", flush=True)
+        manifest = strict_json.dumps(plan.manifest(max_concurrent), indent=2)
+        (plan.grid_dir / GRID_FILE).write_text(manifest)
+    experiment = new_experiment_name(plan.grid_dir)
+    count = len(plan.trials)
+    print(f"grid {plan.name}: {'resuming ' if resume else ''}{count} trial"
+          f"{'s' if count != 1 else ''}, up to {concurrency} at once, in {plan.grid_dir}"
+          + (f" (Tune: {experiment}/)" if resume else ""), flush=True)
 
     trainable = tune.with_resources(run_trial, {"CPU": plan.file.resources.trial_cpus})
     export_wandb_mode(plan.trials[0].config.run.wandb)
-    if resume:
-        tuner = tune.Tuner.restore(str(tune_dir), trainable=trainable, resume_unfinished=True)
-    else:
-        callbacks = [_progress_printer()]
-        wandb_callback = tune_wandb_callback(plan.trials[0].config.run.wandb, plan.name)
-        if wandb_callback is not None:
-            callbacks.append(wandb_callback)
-        space = [{"name": t.name, "overrides": t.overrides, "data_dir": str(t.data_dir),
-                  "config": t.config.model_dump(mode="json")} for t in plan.trials]
-        tuner = tune.Tuner(
-            trainable,
-            param_space={"trial": tune.grid_search(space)},
-            tune_config=tune.TuneConfig(max_concurrent_trials=concurrency,
-                                        trial_name_creator=trial_name,
-                                        trial_dirname_creator=trial_name),
-            run_config=tune.RunConfig(name=TUNE_DIR, storage_path=str(plan.grid_dir),
-                                      callbacks=callbacks, verbose=0))
+    callbacks = [_progress_printer()]
+    wandb_callback = tune_wandb_callback(plan.trials[0].config.run.wandb, plan.name)
+    if wandb_callback is not None:
+        callbacks.append(wandb_callback)
+    space = [{"name": t.name, "overrides": t.overrides, "data_dir": str(t.data_dir),
+              "config": t.config.model_dump(mode="json")} for t in plan.trials]
+    tuner = tune.Tuner(
+        trainable,
+        param_space={"trial": tune.grid_search(space)},
+        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency,
+                                    trial_name_creator=trial_name,
+                                    trial_dirname_creator=trial_name),
+        run_config=tune.RunConfig(name=experiment, storage_path=str(plan.grid_dir),
+                                  callbacks=callbacks, verbose=0))
     with quiet_tune():
         tuner.fit()  # a failed trial is recorded in its result, not raised
 
-    report, written = write_report(plan.grid_dir)
-    print_report(report, written)
-    unfinished = [run for run in report.runs if run.status != "done"]
-    if unfinished:
-        print(f"{len(unfinished)} of {len(report.runs)} trials did not finish"
-              + ("; rerun with --resume to continue the unfinished ones"
-                 if any(run.status != "failed" for run in unfinished) else ""))
-    return 1 if unfinished else 0
+
+def grid_status(runs: list[RunRecord]) -> int:
+    """Print what did not finish; 0 when every trial is done, else 1."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        if run.status != "done":
+            counts[run.status] = counts.get(run.status, 0) + 1
+    if not counts:
+        return 0
+    print(f"{sum(counts.values())} of {len(runs)} trials are not done: "
+          + ", ".join(f"{n} {status}" for status, n in counts.items())
+          + ("; rerun with --resume to continue the unfinished ones"
+             if counts.keys() & {"incomplete", "pending"} else ""))
+    return 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,13 +411,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", nargs="?", type=Path, metavar="GRID.yaml",
                         help="grid file: base:, grid:, trials:, metric:, resources:")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate and print the expanded trials, then exit")
+                        help="validate and print the expanded trials, then exit; missing data "
+                             "and unset $VARS in paths are warnings here (check a grid away "
+                             "from its cluster)")
     parser.add_argument("--max-concurrent", type=int, metavar="N",
                         help="trials at once (default: resources.max_concurrent, else as many "
                              "as the cluster fits)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue an interrupted grid: unfinished trials run again, "
-                             "finished and failed ones are kept")
+                        help="continue an interrupted grid: unfinished trials run again (from "
+                             "their last checkpoint), finished and failed ones are kept")
     parser.add_argument("--name", help="grid name, its directory under run.storage_path "
                                        "(default: the file's name: field, else its file name)")
     parser.add_argument("--from-wandb-sweep", type=Path, metavar="SWEEP.yaml",
@@ -334,10 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_concurrent is not None and args.max_concurrent < 1:
         parser.error("--max-concurrent must be at least 1")
     try:
-        plan = plan_grid(args.config, rest, args.name)
+        plan = plan_grid(args.config, rest, args.name, dry_run=args.dry_run)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for warning in plan.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.dry_run:
         print_plan(plan)
         return 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from isoloco_ray import report
+from isoloco_ray import report, strict_json
 from isoloco_ray.config import load_config
 
 
@@ -109,3 +109,70 @@ def test_single_run_and_directory_of_runs(tmp_path, capsys):
 
     assert report.main([str(tmp_path / "empty")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_non_finite_trials_rank_last_are_diverged_and_never_best(tmp_path, capsys):
+    # Two trials whose eval loss ended NaN and inf (files as older versions wrote them, with
+    # NaN/Infinity literals), between two normal ones; one more finished with null (strict).
+    trials = [("0-diloco", ["--inner.lr=0.001"], [6.0, 5.5, 5.2]),
+              ("1-isoc", ["--outer.strategy=isoc"], [6.0, 5.0, float("nan")]),
+              ("2-tsv", ["--outer.strategy=tsv"], [6.0, float("inf"), float("inf")]),
+              ("3-diloco", ["--inner.lr=0.002"], [6.0, 5.3, 5.0])]
+    for name, args, losses in trials:
+        write_run(tmp_path / "runs" / name, args, losses)
+    assert "NaN" in (tmp_path / "runs" / "1-isoc" / "summary.json").read_text()
+    assert "Infinity" in (tmp_path / "runs" / "2-tsv" / "summary.json").read_text()
+    (tmp_path / "grid.json").write_text(json.dumps({
+        "name": "nans", "metric": "final_eval_loss", "mode": "min",
+        "trials": [{"name": n, "strategy": n.split("-")[1], "overrides": {}}
+                   for n, _, _ in trials]}))
+
+    assert report.main([str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [(r["trial"], r["status"]) for r in rows] == [
+        ("3-diloco", "done"), ("0-diloco", "done"), ("1-isoc", "diverged"), ("2-tsv", "diverged")]
+    assert [r["final eval loss"] for r in rows] == ["5.0", "5.2", "nan", "inf"]
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| 1-isoc | isoc | nan | nan |" in markdown and "| inf | inf |" in markdown
+    assert "best config:" in capsys.readouterr().out
+    assert (tmp_path / "best_config.yaml").read_text().startswith("# Best of grid nans: 3-diloco")
+
+    # Ranked the other way, or by another figure, a non-finite value is still last, never best.
+    for args in (["--mode", "max"], ["--metric", "final_eval_perplexity", "--mode", "max"]):
+        assert report.main([str(tmp_path), *args]) == 0
+        rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+        assert [r["trial"] for r in rows] == ["0-diloco", "3-diloco", "1-isoc", "2-tsv"]
+        assert "3-diloco" not in (tmp_path / "best_config.yaml").read_text().splitlines()[0]
+
+    # What a grid trial writes now: strict JSON, null for the non-finite loss.
+    summary = tmp_path / "runs" / "1-isoc" / "summary.json"
+    summary.write_text(strict_json.dumps(json.loads(summary.read_text())))
+    assert '"final_eval_loss": null' in summary.read_text()
+    loaded = report.load_report(tmp_path)
+    assert [(r.name, r.status) for r in loaded.ranked()][2:] == [("1-isoc", "diverged"),
+                                                                ("2-tsv", "diverged")]
+    assert loaded.best().name == "3-diloco"
+    assert "| 1-isoc | isoc | nan | nan |" in report.markdown_table(loaded)
+
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "eval_loss.png"
+    png.unlink()
+    assert report.main([str(tmp_path)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_path_must_be_an_existing_directory(tmp_path, capsys):
+    write_run(tmp_path / "a", [], [6.0, 5.1])
+    for path, message in ((tmp_path / "a" / "summary.json", "is a file, not a directory"),
+                          (tmp_path / "missing", "does not exist")):
+        assert report.main([str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {path} {message}; ") and err.count("\n") == 1
+    # A grid.json names its trials' directories: never one outside runs/.
+    (tmp_path / "grid.json").write_text(json.dumps({"name": "g", "trials": [
+        {"name": "../a", "strategy": "diloco", "overrides": {}}]}))
+    assert report.main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'grid.json'}: trial name '../a' "
+                                       "must be one directory name: ASCII letters, digits and "
+                                       ". _ = , + - starting with a letter or digit (no '/', "
+                                       "'..', spaces or other characters)\n")

@@ -142,8 +142,8 @@ def test_real_grid_runs_trials_records_a_failure_and_resumes(ray_cluster, small_
     shutil.copytree(small_dataset, broken)
     validate = tune.validate_against_data
 
-    def validate_then_break(trials):
-        validate(trials)
+    def validate_then_break(trials, *args):
+        validate(trials, *args)
         for shard in (broken / "train").glob("*.parquet"):
             shard.unlink()
     monkeypatch.setattr(tune, "validate_against_data", validate_then_break)
@@ -189,7 +189,8 @@ def test_real_grid_runs_trials_records_a_failure_and_resumes(ray_cluster, small_
         assert list((grid_dir / "tune" / "0-diloco" / "wandb").glob("offline-run-*"))
 
     # The same grid again is refused, and so is resuming it with other settings; --resume
-    # keeps finished and failed trials (the data is back, and validated again).
+    # keeps finished and failed trials (the data is back, and validated again): nothing is
+    # left to run (test_grid_safety runs an unfinished trial on resume).
     monkeypatch.setattr(tune, "validate_against_data", validate)
     shutil.copytree(small_dataset / "train", broken / "train", dirs_exist_ok=True)
     assert tune.main([str(path)]) == 2
@@ -199,7 +200,10 @@ def test_real_grid_runs_trials_records_a_failure_and_resumes(ray_cluster, small_
     finished = (grid_dir / "runs" / "0-diloco" / "summary.json").stat().st_mtime
     assert tune.main([str(path), "--resume"]) == 1
     assert (grid_dir / "runs" / "0-diloco" / "summary.json").stat().st_mtime == finished
-    assert "| 0-diloco | diloco |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "every trial has finished or failed; nothing to resume" in out
+    assert "| 0-diloco | diloco |" in out and "1 of 3 trials are not done: 1 failed" in out
+    assert not (grid_dir / "tune-resume-1").exists()
 
 
 def test_resume_needs_a_grid_to_resume(tmp_path, small_dataset, capsys, no_ray):
