@@ -280,6 +280,11 @@ class TrainConfig(_Section):
                 raise ValueError(
                     f"outer.{option} does not apply to outer.strategy "
                     f"'{self.outer.strategy}' (only to {', '.join(strategies)}); remove it")
+        for option, (only, instead) in spec.fixed.items():
+            value = getattr(self.outer, option)
+            if value is not None and value != only:
+                raise ValueError(f"outer.{option} must be {only!r} for outer.strategy "
+                                 f"'{spec.name}' (got {value!r}): {instead}")
         if self.inner.lr is None:
             self.inner.lr = preset["inner_lr"]
         if self.inner.weight_decay is None:

@@ -63,6 +63,8 @@ class StrategySpec:
     options: tuple[str, ...] = ()  # the outer.* merge options it takes
     momentum_is_optional: bool = False  # takes an outer momentum, though the paper sets none
     inner_weight_decay: float = 0.1
+    fixed: Mapping[str, tuple[Any, str]] = field(default_factory=dict)  # option -> (the only
+    # value it may take, what to use instead for another)
 
     @property
     def has_outer_step(self) -> bool:
@@ -105,7 +107,9 @@ STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in (
     StrategySpec("dare", "DARE: drop entries of each Δ at random, rescale, mean", "dare",
                  dict(inner_lr=2.76e-3, lr=1.5, momentum=0.0, nesterov=False, sparsity=0.1,
                       prune="random", prune_dim="all", rescale=True, disjoint=False),
-                 options=_merge_options("dare"), momentum_is_optional=True),
+                 options=_merge_options("dare"), momentum_is_optional=True,
+                 fixed={"prune": ("random", "DARE drops entries at random; for magnitude "
+                                            "pruning use outer.strategy=ties")}),
     StrategySpec("adamw_ddp", "baseline: AdamW on gradients averaged over all replicas every "
                  "step", None, dict(inner_lr=1.95e-3, lr=0.0, momentum=0.0, nesterov=False),
                  inner_weight_decay=0.15),

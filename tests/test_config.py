@@ -67,6 +67,9 @@ def test_token_budget_sets_rounds():
      "data.batch_size (8) must split evenly over scaling.workers_per_replica (3)"),
     (["--outer.comm_dtype=float16"], "outer.comm_dtype: Input should be 'float32' or "
                                      "'bfloat16'"),
+    (["--outer.strategy=dare", "--outer.prune=magnitude"], "outer.prune must be 'random' for "
+     "outer.strategy 'dare' (got 'magnitude'): DARE drops entries at random; for magnitude "
+     "pruning use outer.strategy=ties"),
     # Non-finite settings would train a NaN model.
     (["--inner.lr=inf"], "inner.lr: must be a finite number (got 'inf')"),
     (["--outer.lr=inf"], "outer.lr: must be a finite number (got 'inf')"),
