@@ -5,7 +5,7 @@
 
 Each measurement runs in a fresh subprocess so its peak RSS (its own plus its tokenizing
 processes') is its own. Training consumption to compare against: the demo model on 2 CPU cores
-takes ~5.6 k tokens/s (shared/DATA.md); a 178M model on one H100 at ~40% MFU of 989 bf16
+takes ~5.6 k tokens/s (measured on a 2-core CPU); a 178M model on one H100 at ~40% MFU of 989 bf16
 TFLOP/s takes ~370 k tokens/s (6 * 178e6 FLOP per token).
 """
 

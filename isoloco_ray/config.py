@@ -3,7 +3,7 @@
 `TrainConfig` is what `python -m isoloco_ray.train` builds from its defaults, an optional YAML
 file and `--section.field=value` flags. Fields left at `None` are filled from presets after
 validation (model size from `model.preset`; learning rates, momentum and merge options from the
-outer strategy's row of SPEC.md), so a resolved config has no `None` left where a number is
+outer strategy's paper values in the registry, isoloco_ray/strategies.py), so a resolved config has no `None` left where a number is
 needed and is what checkpoints and summaries record.
 """
 
@@ -21,8 +21,8 @@ from isoloco_ray.strategies import STRATEGIES, option_strategies
 ModelPreset = Literal["tiny", "demo", "178M", "512M"]
 Strategy = Literal[tuple(STRATEGIES)]  # type: ignore[valid-type]
 
-# Llama sizes. "178M" and "512M" are the paper's (SPEC.md); "demo" is the ~3M model that trains
-# visibly on 2 CPU cores in minutes (DATA.md); "tiny" is for tests.
+# Llama sizes. "178M" and "512M" are the paper's (docs/strategies.md); "demo" is the ~3M model that
+# trains visibly on 2 CPU cores in minutes; "tiny" is for tests.
 MODEL_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                  intermediate_size=176, max_seq_len=256),
@@ -117,7 +117,7 @@ class DataConfig(_Section):
 
 
 class ScalingConfig(_Section):
-    """How replicas map onto Ray Train workers (DESIGN.md, "Replica layout")."""
+    """How replicas map onto Ray Train workers (docs/design.md, "Layout")."""
 
     replicas: int = Field(4, gt=0, description="R, the number of DiLoCo replicas")
     replicas_per_worker: int = Field(
@@ -148,7 +148,7 @@ class ScalingConfig(_Section):
 
 
 class InnerConfig(_Section):
-    """Each replica's local AdamW (SPEC.md, inner settings)."""
+    """Each replica's local AdamW (docs/strategies.md, "Notation")."""
 
     lr: float | None = Field(None, gt=0, description="peak inner lr (default: the strategy's "
                              "paper value)")
@@ -171,7 +171,7 @@ class InnerConfig(_Section):
 
 
 class OuterConfig(_Section):
-    """The outer step: which merge, and its optimizer (SPEC.md, "Strategies")."""
+    """The outer step: which merge, and its optimizer (docs/strategies.md)."""
 
     strategy: Strategy = Field(
         "diloco", description="diloco, diloco_sgd, isoc, isoloco, isocts, tsv, ties, dare, "

@@ -128,7 +128,7 @@ PLAIN_MEANS = ("diloco", "diloco_sgd", "dare")  # elementwise merge, no ISO-C of
 
 def expected_bytes(variant: str, placement: str, owners: dict[str, int], rank: int,
                    itemsize: int = 4) -> int:
-    """DESIGN.md's cost model for one round with every tensor in one bucket."""
+    """The cost model of docs/design.md for one round with every tensor in one bucket."""
     numel = {name: torch.Size(shape).numel() for name, shape in SHAPES.items()}
     total = sum(numel.values())
     hosted = REPLICAS // RANKS

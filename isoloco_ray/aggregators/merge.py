@@ -1,6 +1,6 @@
 """`merge` / `merge_all`: one strategy name and its options in, merged update direction out.
 
-The direction is what the outer optimizer then applies (SPEC.md, "Strategies"): before outer
+The direction is what the outer optimizer then applies (docs/strategies.md): before outer
 momentum and the outer learning rate.
 """
 
@@ -136,7 +136,7 @@ def _merge_one(strategy: str, deltas: list[Tensor], opts: Mapping[str, Any],
 def merge(strategy: str, deltas: Sequence[Tensor] | Tensor, **options: Any) -> Tensor:
     """Merged update direction of ONE parameter tensor from its R pseudo-gradients Δ_r.
 
-    strategy (SPEC.md, "Strategies"; tensors that are not exactly 2-D always get the mean):
+    strategy (docs/strategies.md; tensors that are not exactly 2-D always get the mean):
       "mean"    (1/R) Σ Δ_r.
       "isoc"    ISO-C(mean(Δ)).
       "isocts"  ISO-CTS({Δ_r}); option common_fraction in [0, 1] (default 0.8).

@@ -1,5 +1,5 @@
 """TIES / DARE: sparsify each Δ_r, then a disjoint (sign-elected) or plain mean
-(SPEC.md, "TIES / DARE sparsify-and-merge")."""
+(docs/strategies.md, "ties" and "dare")."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _k_largest_mask(scores: Tensor, k: int) -> Tensor:
 
 def sparsify(delta: Tensor, sparsity: float, prune: str = "magnitude", prune_dim: str = "all",
              rescale: bool = False, generator: torch.Generator | None = None) -> Tensor:
-    """Keep k = max(1, floor((1 − p)·N)) entries of `delta`, zero the rest (SPEC.md, TIES/DARE).
+    """Keep k = max(1, floor((1 − p)·N)) entries of `delta`, zero the rest (docs/strategies.md).
 
     - prune_dim "all": N = numel, entries ranked by |value|; "row" / "column" (2-D only):
       N = number of rows / columns, ranked by L2 norm, kept or dropped whole.

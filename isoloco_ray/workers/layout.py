@@ -1,4 +1,4 @@
-"""Where a worker sits among R replicas (DESIGN.md, "Replica layout"): which replicas it hosts,
+"""Where a worker sits among R replicas (docs/design.md, "Layout"): which replicas it hosts,
 and the process groups it talks in.
 
 With V replicas per worker, worker w hosts replicas w·V … w·V+V-1 one after another. With a
