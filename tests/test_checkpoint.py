@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,7 +67,7 @@ def test_incomplete_checkpoint_is_reported(small_dataset, tmp_path):
     cfg = load_config(RUN + ["--run.rounds=2"])
     run_local(cfg, small_dataset, checkpoints=tmp_path)
     (tmp_path / "round_000002" / "replica_0001.pt").unlink()
-    with pytest.raises(FileNotFoundError, match="incomplete: missing replica_0001.pt"):
+    with pytest.raises(checkpoint.CheckpointError, match="replica_0001.pt: missing"):
         run_local(cfg, small_dataset, restore_from=tmp_path / "round_000002")
 
 
@@ -145,3 +148,168 @@ def test_run_stops_after_max_bad_rounds_with_last_good_checkpoint(small_dataset,
     saved, _, _ = checkpoint.load_shared(tmp_path / "round_000001")
     for name, value in saved.items():  # the initial parameters: skipped rounds change nothing
         assert torch.equal(value, params[name]) and torch.isfinite(value).all()
+
+
+# -- damaged checkpoints: found before use, the newest intact one used, never unpickled ----------
+
+TWO_ROUNDS = RUN + ["--run.rounds=2", "--run.checkpoint_every=1"]
+
+
+@pytest.fixture(scope="module")
+def saved_run(small_dataset, tmp_path_factory):
+    """A local run's checkpoints after rounds 1 and 2 (round_000001, round_000002)."""
+    directory = tmp_path_factory.mktemp("saved_run")
+    run_local(load_config(TWO_ROUNDS), small_dataset, checkpoints=directory)
+    return directory
+
+
+@pytest.fixture
+def checkpoints(saved_run, tmp_path):
+    """A fresh copy of `saved_run`'s checkpoints, free to damage."""
+    shutil.copytree(saved_run, tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+class Payload:
+    """Unpickled, it creates `marker`: what a malicious .pt file could do instead."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def drop_a_momentum_buffer(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    buffers = load_file(path)
+    save_file(dict(sorted(buffers.items())[1:]), path)
+
+
+def test_intact_checkpoints_have_no_problems(checkpoints):
+    for directory in checkpoints.iterdir():
+        assert checkpoint.checkpoint_problems(directory) == []
+
+
+@pytest.mark.parametrize("damage, bad_file, what", [
+    (lambda d: truncate(d / "global.safetensors"), "global.safetensors",
+     "not a complete safetensors file (Error while deserializing header: incomplete metadata, "
+     "file not fully covered)"),
+    (lambda d: (d / "state.json").write_text("{\"format\": 1, \"round\": 2,"), "state.json",
+     "not valid JSON (Expecting property name enclosed in double quotes"),
+    (lambda d: (d / "state.json").write_text('{"format": 1, "round": "two"}'), "state.json",
+     "lacks or garbles round, config.scaling.replicas, outer.step, outer.momentum, "
+     "rng.python, rng.numpy"),
+    (lambda d: (d / "replica_0001.pt").write_bytes(b"not a torch file" * 64), "replica_0001.pt",
+     "not a complete torch.save file"),
+    (lambda d: truncate(d / "replica_0000.pt"), "replica_0000.pt",
+     "not a complete torch.save file"),
+    (lambda d: (d / "replica_0001.pt").unlink(), "replica_0001.pt", "missing"),
+    (lambda d: (d / "outer_0000.safetensors").unlink(), "outer_0000.safetensors", "missing"),
+    (lambda d: truncate(d / "rng.safetensors"), "rng.safetensors",
+     "not a complete safetensors file"),
+    (lambda d: drop_a_momentum_buffer(d / "outer_0000.safetensors"), "",
+     "no outer*.safetensors file holds the outer momentum of 1 parameters"),
+], ids=["truncated-global", "junk-state", "state-without-keys", "garbage-pt", "truncated-pt",
+        "missing-replica", "missing-outer", "truncated-rng", "momentum-missing"])
+def test_damaged_checkpoint_is_reported_by_file(checkpoints, damage, bad_file, what):
+    directory = checkpoints / "round_000002"
+    damage(directory)
+    problems = checkpoint.checkpoint_problems(directory)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{directory / bad_file if bad_file else directory}: {what}")
+
+
+def test_pickled_code_in_a_replica_file_is_refused_without_running(small_dataset, checkpoints):
+    directory = checkpoints / "round_000002"
+    marker = checkpoints / "payload-ran"
+    state = torch.load(directory / "replica_0001.pt", weights_only=True)
+    torch.save({**state, "schedule": Payload(marker)}, directory / "replica_0001.pt")
+
+    (problem,) = checkpoint.checkpoint_problems(directory)
+    assert problem.startswith(f"{directory / 'replica_0001.pt'}: holds objects other than "
+                              "tensors and plain values, refused without running them")
+    assert "weights_only` set to `False`" not in problem  # torch's advice is not passed on
+    with pytest.raises(checkpoint.CheckpointError, match="replica_0001.pt: holds objects"):
+        run_local(load_config(TWO_ROUNDS), small_dataset, restore_from=directory)
+    assert not marker.exists()
+    torch.load(directory / "replica_0001.pt", weights_only=False)  # the payload is real
+    assert marker.exists()
+
+
+def test_resume_falls_back_to_the_newest_intact_checkpoint(checkpoints):
+    newest, older = checkpoints / "round_000002", checkpoints / "round_000001"
+    truncate(newest / "global.safetensors")
+    chosen, skipped = checkpoint.newest_intact([newest, older])
+    assert chosen == older
+    assert skipped == [(newest, checkpoint.checkpoint_problems(newest))]
+    warning = checkpoint.fallback_warning(chosen, skipped)
+    assert warning.startswith(f"warning: checkpoint {newest} is damaged: "
+                              f"{newest / 'global.safetensors'}: not a complete safetensors")
+    assert warning.endswith(f"resuming from the older checkpoint {older} (round 1) instead; "
+                            "the rounds after it are trained again")
+
+    (older / "state.json").write_text("junk")
+    chosen, skipped = checkpoint.newest_intact([newest, older])
+    assert chosen is None and [d for d, _ in skipped] == [newest, older]
+    message = checkpoint.no_intact_message(skipped)
+    assert message.startswith(f"no intact checkpoint to resume from: checkpoint {newest} is "
+                              f"damaged: {newest / 'global.safetensors'}: not a complete")
+    assert f"checkpoint {older} is damaged: {older / 'state.json'}: not valid JSON" in message
+    assert f"delete {checkpoints} (Ray Train refuses" in message
+
+
+def test_run_checkpoints_are_ray_trains_newest_first(tmp_path):
+    names = ["checkpoint_2025-01-02_10-00-00.000001", "checkpoint_2025-01-02_09-59-59.999999",
+             "checkpoint_2025-01-01_23-00-00.500000"]
+    for name in names + ["checkpoint_2025-01-02_10-00-01.000000"]:  # the last: unregistered
+        (tmp_path / name).mkdir()
+    (tmp_path / "checkpoint_manager_snapshot.json").write_text("{}")
+    assert checkpoint.run_checkpoints(tmp_path / names[0]) == [tmp_path / n for n in names]
+
+
+@pytest.mark.ray
+def test_ray_resume_skips_a_damaged_checkpoint_and_stops_when_none_is_intact(
+        ray_cluster, small_dataset, tmp_path, capsys):
+    """A finished run made resumable again (summary.json removed): with every checkpoint
+    damaged the run stops at once with the files named (no restarts); with the newest damaged
+    it resumes from the older one and ends bit-identical."""
+    from isoloco_ray import train
+
+    args = ["--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64",
+            "--data.batch_size=4", "--scaling.replicas=2", "--scaling.replicas_per_worker=2",
+            "--inner.steps=2", "--run.rounds=3", "--run.checkpoint_every=1",
+            "--run.eval_every=3", "--run.eval_tokens=512", f"--run.storage_path={tmp_path}",
+            "--run.name=damaged"]
+    run_dir = tmp_path / "damaged"
+    assert train.main(args) == 0
+    whole = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").unlink()
+    capsys.readouterr()
+    newest, older = sorted((path for path in run_dir.glob("checkpoint_*") if path.is_dir()),
+                           reverse=True)  # keep_checkpoints=2
+    assert checkpoint.saved_round(newest) == 3 and checkpoint.saved_round(older) == 2
+
+    truncate(newest / "global.safetensors")
+    state = (older / "state.json").read_text()
+    (older / "state.json").write_text("junk")
+    assert train.main(args) == 1
+    err = capsys.readouterr().err
+    assert "error: the run stopped: no intact checkpoint to resume from: " \
+        f"checkpoint {newest} is damaged: {newest / 'global.safetensors'}: not a complete" in err
+    assert f"{older / 'state.json'}: not valid JSON" in err and f"delete {run_dir}" in err
+
+    (older / "state.json").write_text(state)
+    assert train.main(args) == 0
+    assert f"warning: checkpoint {newest} is damaged" in capsys.readouterr().err
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["resume_warning"].startswith(
+        f"warning: checkpoint {newest} is damaged: {newest / 'global.safetensors'}")
+    assert f"resuming from the older checkpoint {older} (round 2) instead" in \
+        resumed["resume_warning"]
+    assert resumed["model_sha256"] == whole["model_sha256"]

@@ -11,19 +11,28 @@ A checkpoint is one directory, written by every worker (Ray Train merges the wor
                                (its host; loaded with torch.load(weights_only=True))
 
 Loading needs every file: a directory missing one is reported, never half-restored.
+
+Before a resume every worker checks the whole checkpoint, every file (`checkpoint_problems`),
+so all of them reach the same verdict from the same shared files; a damaged newest checkpoint
+gives way to the newest intact one (`newest_intact`), and with none intact the run stops with
+a message naming the bad files rather than starting over (which would discard the run).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import random
-from collections.abc import Mapping
+import re
+import zipfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 FORMAT = 1
@@ -31,6 +40,15 @@ STATE_FILE = "state.json"
 GLOBAL_FILE = "global.safetensors"
 OUTER_PATTERN = "outer*.safetensors"
 RNG_FILE = "rng.safetensors"
+REPLICA_KEYS = ("optimizer", "schedule", "stream")  # what a replica file's dict holds
+# Ray Train V2 keeps a run's checkpoints as <run dir>/checkpoint_<%Y-%m-%d_%H-%M-%S.%f>
+# (listed in its checkpoint_manager_snapshot.json): their names sort in the order written.
+RAY_CHECKPOINT_GLOB = "checkpoint_*"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint the run cannot resume from (damaged, or written with other settings); the
+    message names the files and what to do."""
 
 
 def replica_file(replica: int) -> str:
@@ -120,3 +138,214 @@ def load_replica(directory: Path, replica: int) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {directory} is incomplete: missing {path.name}")
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# -- checking a checkpoint before resuming from it ------------------------------------------------
+
+Damaged = tuple[Path, list[str]]  # a checkpoint directory and what is wrong with it
+
+
+def checkpoint_problems(directory: Path) -> list[str]:
+    """What is wrong with checkpoint `directory`: one line per bad file, naming it and saying
+    what is wrong; [] when it is intact.
+
+    Reads every file the checkpoint must hold without unpickling anything: state.json must be
+    JSON of this format with the keys a resume needs, the safetensors files must parse (header,
+    and a size that matches it), every replica's .pt file (one per replica of the saved config)
+    must load with torch.load(weights_only=True) into the expected dict, and the outer momentum
+    files together must hold a buffer for every parameter once the outer optimizer has stepped
+    with momentum. Every worker checks the whole checkpoint, so all reach the same verdict."""
+    if not directory.is_dir():
+        return [f"{directory}: not a directory"]
+    problems: list[str] = []
+    state = _read_state(directory / STATE_FILE, problems)
+    global_names = _safetensors_names(directory / GLOBAL_FILE, problems)
+    rng_names = _safetensors_names(directory / RNG_FILE, problems)
+    if rng_names is not None and "torch" not in rng_names:
+        problems.append(f"{directory / RNG_FILE}: holds no torch RNG state")
+    outer_paths = sorted({directory / outer_file(0), *directory.glob(OUTER_PATTERN)})
+    buffer_names: set[str] | None = set()
+    for path in outer_paths:
+        names = _safetensors_names(path, problems)
+        if names is None or buffer_names is None:
+            buffer_names = None
+        else:
+            buffer_names |= names
+    if state is not None:
+        replica_paths = [directory / replica_file(r)
+                         for r in range(state["config"]["scaling"]["replicas"])]
+    else:  # the replica count is unknown: check the replica files there are
+        replica_paths = sorted(directory.glob("replica_*.pt"))
+    for path in replica_paths:
+        _check_replica(path, problems)
+    outer = state["outer"] if state is not None else None
+    if (outer is not None and outer["momentum"] > 0 and outer["step"] > 0
+            and global_names is not None and buffer_names is not None):
+        missing = sorted(global_names - buffer_names)
+        if missing:
+            problems.append(
+                f"{directory}: no {OUTER_PATTERN} file holds the outer momentum of "
+                f"{len(missing)} parameters (e.g. {missing[0]!r}): an outer momentum file is "
+                "missing")
+    return problems
+
+
+def newest_intact(candidates: Sequence[Path]) -> tuple[Path | None, list[Damaged]]:
+    """The first intact checkpoint of `candidates` (newest first, e.g. `run_checkpoints`) and
+    the damaged ones before it, with their `checkpoint_problems`; (None, all of them) when none
+    is intact."""
+    skipped: list[Damaged] = []
+    for directory in candidates:
+        problems = checkpoint_problems(directory)
+        if not problems:
+            return directory, skipped
+        skipped.append((directory, problems))
+    return None, skipped
+
+
+def run_checkpoints(latest: Path) -> list[Path]:
+    """The checkpoints a resume may use, newest first: `latest` (the one Ray Train's
+    get_checkpoint gives) and the older Ray Train checkpoints beside it in the run directory.
+
+    Ray Train's order is the order of its directory names (timestamps); it is used rather than
+    the rounds in state.json, which a damaged checkpoint may not tell. Directories newer than
+    `latest` were never registered by Ray Train (e.g. a copy cut short by a crash) and are left
+    out."""
+    older = [path for path in latest.parent.glob(RAY_CHECKPOINT_GLOB)
+             if path.is_dir() and path.name < latest.name]
+    return [latest, *sorted(older, key=lambda path: path.name, reverse=True)]
+
+
+def damage_report(directory: Path, problems: Sequence[str]) -> str:
+    """One line for a damaged checkpoint: its directory and every problem found."""
+    return f"checkpoint {directory} is damaged: {'; '.join(problems)}"
+
+
+def fallback_warning(chosen: Path, skipped: Sequence[Damaged]) -> str:
+    """The warning of a resume that skips damaged newer checkpoints for `chosen`."""
+    damaged = " | ".join(damage_report(directory, problems) for directory, problems in skipped)
+    return (f"warning: {damaged} | resuming from the older checkpoint {chosen} (round "
+            f"{saved_round(chosen)}) instead; the rounds after it are trained again")
+
+
+def no_intact_message(skipped: Sequence[Damaged]) -> str:
+    """Why a run cannot resume when none of its checkpoints is intact, and what to do."""
+    run_dir = skipped[0][0].parent
+    damaged = " | ".join(damage_report(directory, problems) for directory, problems in skipped)
+    return (f"no intact checkpoint to resume from: {damaged} | Starting over would discard the "
+            "run, so it stops here. If the storage is at fault (unmounted, full, files still "
+            "being copied), fix it and run the same command again; to start the run over, "
+            f"delete {run_dir} (Ray Train refuses a run directory whose checkpoints were "
+            "removed one by one) or choose another run.name")
+
+
+def saved_round(directory: Path) -> int:
+    """The round an intact checkpoint was saved after."""
+    return int(json.loads((directory / STATE_FILE).read_text())["round"])
+
+
+def _read_state(path: Path, problems: list[str]) -> dict[str, Any] | None:
+    """state.json if it is of this format with the keys a resume needs, else None (and the
+    problem recorded)."""
+    if not path.is_file():
+        problems.append(f"{path}: missing")
+        return None
+    try:
+        state = json.loads(path.read_bytes())
+    except OSError as exc:
+        problems.append(f"{path}: cannot be read ({exc.strerror or type(exc).__name__})")
+        return None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        problems.append(f"{path}: not valid JSON ({_first_line(exc)})")
+        return None
+    if not isinstance(state, dict):
+        problems.append(f"{path}: not a JSON object")
+        return None
+    if state.get("format") != FORMAT:
+        problems.append(f"{path}: has format {state.get('format')!r}, this version reads "
+                        f"{FORMAT}")
+        return None
+    config, outer, rng = state.get("config"), state.get("outer"), state.get("rng")
+    scaling = config.get("scaling") if isinstance(config, dict) else None
+    wrong = [key for key, good in (
+        ("round", _is_count(state.get("round"))),
+        ("config.scaling.replicas", isinstance(scaling, dict)
+         and _is_count(scaling.get("replicas")) and scaling["replicas"] > 0),
+        ("outer.step", isinstance(outer, dict) and _is_count(outer.get("step"))),
+        ("outer.momentum", isinstance(outer, dict)
+         and isinstance(outer.get("momentum"), (int, float))),
+        ("rng.python", isinstance(rng, dict) and isinstance(rng.get("python"), list)),
+        ("rng.numpy", isinstance(rng, dict) and isinstance(rng.get("numpy"), list)),
+    ) if not good]
+    if wrong:
+        problems.append(f"{path}: lacks or garbles {', '.join(wrong)}")
+        return None
+    return state
+
+
+def _safetensors_names(path: Path, problems: list[str]) -> set[str] | None:
+    """The tensor names of a safetensors file whose header parses and whose size matches it,
+    else None (and the problem recorded)."""
+    if not path.is_file():
+        problems.append(f"{path}: missing")
+        return None
+    try:
+        with safe_open(path, "pt") as handle:
+            return set(handle.keys())
+    except OSError as exc:
+        problems.append(f"{path}: cannot be read ({exc.strerror or type(exc).__name__})")
+    except Exception as exc:  # SafetensorError and whatever else a damaged file raises
+        problems.append(f"{path}: not a complete safetensors file ({_first_line(exc)})")
+    return None
+
+
+def _check_replica(path: Path, problems: list[str]) -> None:
+    """Record the problem, if any, of a replica file: it must be a torch.save zip file that
+    loads with weights_only=True (never unpickling anything else) into the expected dict."""
+    if not path.is_file():
+        problems.append(f"{path}: missing")
+        return
+    try:
+        if not zipfile.is_zipfile(path):
+            problems.append(f"{path}: not a complete torch.save file (no zip directory: "
+                            "truncated, or something else)")
+            return
+        # mmap: the tensors are not read into memory, only the structure is checked.
+        replica = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except OSError as exc:
+        problems.append(f"{path}: cannot be read ({exc.strerror or type(exc).__name__})")
+        return
+    except pickle.UnpicklingError as exc:
+        problems.append(f"{path}: holds objects other than tensors and plain values, refused "
+                        f"without running them ({_unpickler_reason(exc)})")
+        return
+    except Exception as exc:  # whatever else a damaged zip or pickle raises
+        problems.append(f"{path}: does not load ({_first_line(exc)})")
+        return
+    if not isinstance(replica, dict) or not set(REPLICA_KEYS) <= set(replica):
+        problems.append(f"{path}: not a replica state (a dict of {', '.join(REPLICA_KEYS)})")
+
+
+def _is_count(value: Any) -> bool:
+    """A non-negative int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an error message, without terminal colour codes, at most 200
+    characters."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    line = next((line.strip() for line in text.splitlines() if line.strip()),
+                type(exc).__name__)
+    return line[:200]
+
+
+def _unpickler_reason(exc: BaseException) -> str:
+    """What torch's weights-only unpickler refused (e.g. "Unsupported global: GLOBAL
+    posix.system ..."), without torch's advice to load the file unsafely."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    _, found, detail = text.partition("WeightsUnpickler error:")
+    if not found:
+        return "weights-only unpickling failed"
+    sentence = " ".join(detail.split()).split(". ")[0]
+    return sentence[:200] or "weights-only unpickling failed"

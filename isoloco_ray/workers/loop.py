@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -119,11 +120,16 @@ class Trainer:
             checkpoint.save_replica(directory, replica.index, replica.state_dict())
 
     def restore(self, directory: Path) -> None:
-        """Continue from a checkpoint exactly where the saved run stood."""
+        """Continue from a checkpoint exactly where the saved run stood. Raises
+        checkpoint.CheckpointError, naming the files, for a damaged checkpoint (every file is
+        checked first: never half-restored) or one written with other settings."""
+        problems = checkpoint.checkpoint_problems(directory)
+        if problems:
+            raise checkpoint.CheckpointError(checkpoint.damage_report(directory, problems))
         params, outer_state, state = checkpoint.load_shared(directory)
         differing = config_differences(state.pop("config"), self.cfg)
         if differing:
-            raise ValueError(
+            raise checkpoint.CheckpointError(
                 f"the checkpoint in {directory} was written with different settings: "
                 f"{', '.join(differing)}; resume with the same configuration or use a new "
                 "run.name")
@@ -389,8 +395,11 @@ def kill_once_hook(spec: str | None) -> Callable[[int, int], None] | None:
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
-    """Ray Train entry point: builds the `WorkerEnv` from Ray's context, resumes from Ray's
-    latest checkpoint if there is one, runs the trainer, and exports the model (rank 0)."""
+    """Ray Train entry point: builds the `WorkerEnv` from Ray's context, resumes from the
+    newest intact checkpoint if there is one, runs the trainer, and exports the model (rank 0).
+
+    Returns {"error": ..., "rounds": 0} on every rank, naming the bad files, when the run has
+    checkpoints but none can be resumed from."""
     import ray.train
     import ray.train.torch
 
@@ -421,15 +430,30 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
         )
         return Trainer(cfg, data_dir, env)
 
-    latest = ray.train.get_checkpoint()
-    if latest is None:
-        trainer = build(None)
-    else:
-        with latest.as_directory() as directory:  # restored in full before training goes on
-            trainer = build(Path(directory))
+    # Ray Train's latest checkpoint, or the newest intact one before it if that is damaged.
+    # Every rank checks every file of the same shared checkpoints, so all choose alike (and
+    # return alike, before any collective). A damaged checkpoint is returned as the run's
+    # error, not raised: Ray Train would restart the workers run.max_failures times for
+    # nothing. run.storage_path is a local or mounted path, so Ray's path is a local one.
+    latest, restore_from, warning = ray.train.get_checkpoint(), None, None
+    if latest is not None:
+        restore_from, skipped = checkpoint.newest_intact(
+            checkpoint.run_checkpoints(Path(latest.path)))
+        if restore_from is None:
+            return {"error": checkpoint.no_intact_message(skipped), "rounds": 0}
+        if skipped:
+            warning = checkpoint.fallback_warning(restore_from, skipped)
+            if rank == 0:
+                print(warning, file=sys.stderr, flush=True)
+    try:
+        trainer = build(restore_from)  # restored in full before training goes on
+    except checkpoint.CheckpointError as exc:
+        return {"error": str(exc), "rounds": 0}
     summary = trainer.run()
     if rank != 0:
         return None
+    if warning is not None:
+        summary["resume_warning"] = warning
     if "error" not in summary:
         export_model(trainer.model, data_dir, run_dir / "model")
     return summary
