@@ -237,7 +237,7 @@ def test_failure_midway_leaves_no_dataset(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(RuntimeError, match="disk on fire"):
         prepare.prepare_dataset(make_documents(40), out, **SETTINGS)
     assert not out.exists()
-    assert [p.name for p in tmp_path.iterdir()] == [".ds.lock"]  # no staging left behind
+    assert list(tmp_path.iterdir()) == []  # no staging or lock file left behind
 
 
 def test_failed_overwrite_keeps_old_dataset(dataset: tuple[Path, list[str]], tmp_path: Path,
@@ -260,7 +260,7 @@ def test_overwrite_rules(dataset: tuple[Path, list[str]], tmp_path: Path) -> Non
         prepare.prepare_dataset(docs, out, **SETTINGS)
     meta = prepare.prepare_dataset(docs, out, overwrite=True, **SETTINGS)
     assert DatasetMeta.load(out) == meta and meta.split("train").documents < 40
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".ds.lock", "ds"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
@@ -317,7 +317,7 @@ def test_cli(fake_demo: dict[str, int], tmp_path: Path, capsys: pytest.CaptureFi
     assert prepare.main(args) == 0  # default --out, already there
     assert "already prepared" in capsys.readouterr().out and fake_demo["n"] == 1
     out = str(tmp_path / "cache" / "demo")
-    assert prepare.main(args + ["--out", out]) == 1
+    assert prepare.main(args + ["--out", out]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert prepare.main(args + ["--out", out, "--overwrite", "--seed", "4"]) == 0
     assert DatasetMeta.load(out).seed == 4

@@ -131,7 +131,7 @@ def test_rerun_is_idempotent_and_other_settings_refused(corpus: tuple[Path, Path
     assert prepare.main(args) == 0
     assert "already prepared" in capsys.readouterr().out
     other = [("2" if a == "1" and args[i - 1] == "--seed" else a) for i, a in enumerate(args)]
-    assert prepare.main(other) == 1
+    assert prepare.main(other) == 2
     assert "--overwrite" in capsys.readouterr().err
 
 
@@ -195,5 +195,5 @@ def test_from_npy(tmp_path: Path, small_dataset: Path) -> None:
     assert meta.split("train").blocks == 3000 // 64 and meta.split("test").blocks == 0
     assert meta.split("train").documents == int((stream == meta.eos_id).sum())
     np.save(npy / "test_000000.npy", np.array([meta0.vocab_size], dtype=np.uint16))
-    with pytest.raises(DataError, match=r"test_000000.npy: token id \d+ is outside"):
+    with pytest.raises(DataError, match=r"test_000000.npy: token id \d+ at index 0 is outside"):
         prepare.prepare_from_npy(npy, tmp_path / "bad", tokenizer=tok, block_len=64)

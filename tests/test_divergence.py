@@ -173,3 +173,29 @@ def test_a_failing_metrics_logger_is_reported_once_and_the_record_goes_on(tmp_pa
     assert calls == [0]
     err = capsys.readouterr().err
     assert err.count("warning: logging round 0 failed (ConnectionError: W&B is unreachable)") == 1
+
+
+def test_an_out_of_vocabulary_id_on_one_rank_stops_both_ranks_naming_the_shard(
+        small_dataset, tmp_path):
+    """Replica 1 (on rank 1) reads a shard with a bad id: both gloo ranks stop together,
+    with its name, rather than rank 0 waiting forever in the next collective."""
+    import shutil
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from isoloco_ray.data.format import split_files
+
+    data = tmp_path / "data"
+    shutil.copytree(small_dataset, data)
+    bad = split_files(data, "train")[1]  # replica 1 of 2 reads shards 1, 3, ...
+    rows = pq.read_table(bad).column("tokens").to_pylist()
+    rows[0][5] = 99_999
+    pq.write_table(pa.table({"tokens": pa.array([np.asarray(r, np.int32) for r in rows],
+                                                 pa.list_(pa.int32()))}), bad)
+    cfg = load_config(RUN + ["--scaling.replicas_per_worker=1"])
+    summary, _ = run_local(cfg, data)
+    assert summary["rounds"] == 0
+    assert summary["error"].startswith(f"worker 1 in round 1: {bad}: token id 99999 is outside "
+                                       "the model's vocabulary (0..383)")

@@ -8,10 +8,13 @@ the ``tokens: list<int32>`` column type.
 The full scan reads every byte: each shard's sha256 against meta.json (corrupt or truncated
 files) and its largest token id (ids >= the model's vocabulary would index past the embedding).
 On a 10 B-token dataset that takes minutes, so it runs once per dataset: its result is stamped in
-``DIR/.verified.json``, keyed by the sha256 of meta.json, and later runs read the stamp (a
-dataset prepared again gets a new meta.json, so a new scan). Set ``ISOLOCO_RAY_VERIFY_DATA`` to
-``always`` to scan on every run, or ``never`` to skip the scan (footers are still checked).
-A read-only dataset directory is scanned on every run (the stamp cannot be written).
+``DIR/.verified.json``, keyed by the sha256 of meta.json and every shard's size and modification
+time (``mtime_ns``), and later runs read the stamp while that key still matches: a dataset
+prepared again (a new meta.json) or a shard replaced, rewritten or edited in place (a new size or
+mtime) is scanned again. Set ``ISOLOCO_RAY_VERIFY_DATA`` to ``always`` to scan on every run, or
+``never`` to skip the scan (footers are still checked). A read-only dataset directory is scanned
+on every run (the stamp cannot be written). Token ids are also checked against the model's
+vocabulary as the training stream reads them (stream.py), whatever the stamp says.
 """
 
 from __future__ import annotations
@@ -20,17 +23,18 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from isoloco_ray.config import ConfigError
 from isoloco_ray.data.format import (
-    META_FILE, SPLITS, TOKEN_COLUMN, DataError, DatasetMeta, _shard_problems, sha256_file,
+    META_FILE, SPLITS, STAMP_FILE, TOKEN_COLUMN, DataError, DatasetMeta, sha256_file,
+    shard_problems,
 )
 
 VERIFY_ENV = "ISOLOCO_RAY_VERIFY_DATA"
-STAMP_FILE = ".verified.json"
 
 
 def check_training_data(data_dir: Path, meta: DatasetMeta, *, model_vocab_size: int | None,
@@ -86,10 +90,11 @@ def check_layout(data_dir: Path, meta: DatasetMeta, seq_len: int, replicas: int,
 
 
 def check_shards(data_dir: Path, meta: DatasetMeta) -> None:
-    """Every shard present, with its recorded rows and the tokens: list<int32> column (footers
-    only: cheap on any dataset size)."""
+    """Every shard present, with its recorded rows, the tokens: list<int32> column and
+    meta.json's block_len ids per row (footers only: cheap on any dataset size)."""
     problems = [p for s in SPLITS for shard in meta.split(s).shards
-                for p in _shard_problems(data_dir / shard.file, shard, checksums=False)]
+                for p in shard_problems(data_dir / shard.file, shard, meta.block_len,
+                                        checksums=False)]
     if problems:
         raise DataError(f"{data_dir}: {len(problems)} bad shard(s); prepare it again "
                         "(with --overwrite):\n  " + "\n  ".join(problems))
@@ -115,22 +120,40 @@ def scan_shards(data_dir: Path, meta: DatasetMeta) -> int:
     return max_id
 
 
+def stamp_key(data_dir: Path, meta: DatasetMeta) -> dict[str, Any]:
+    """What a scan's result is valid for: meta.json's sha256 and each shard's size and mtime_ns
+    (``{"meta_sha256": ..., "shards": {file: [size, mtime_ns]}}``)."""
+    shards: dict[str, list[int]] = {}
+    for s in SPLITS:
+        for shard in meta.split(s).shards:
+            path = data_dir / shard.file
+            try:
+                st = path.stat()
+            except OSError as e:
+                raise DataError(f"{path}: {e.strerror}; prepare the dataset again "
+                                "(with --overwrite)") from e
+            shards[shard.file] = [st.st_size, st.st_mtime_ns]
+    return {"meta_sha256": sha256_file(data_dir / META_FILE), "shards": shards}
+
+
 def scanned_max_token_id(data_dir: Path, meta: DatasetMeta) -> int | None:
-    """The largest token id, from the stamp or a full scan (which writes the stamp); None when
+    """The largest token id, from the stamp when its key (``stamp_key``) still matches the
+    files, else from a full scan (which writes the stamp); None when
     ``ISOLOCO_RAY_VERIFY_DATA=never``."""
     mode = os.environ.get(VERIFY_ENV, "once")
     if mode not in ("once", "always", "never"):
         raise ConfigError(f"{VERIFY_ENV}={mode!r}: expected once, always or never")
     if mode == "never":
         return None
-    key = sha256_file(data_dir / META_FILE)
+    # Taken before the scan: a shard changed while it is being read gets a stale key.
+    key = stamp_key(data_dir, meta)
     stamp = data_dir / STAMP_FILE
     if mode == "once":
         try:
             recorded = json.loads(stamp.read_text())
-            if recorded.get("meta_sha256") == key:
+            if {k: recorded.get(k) for k in key} == key:
                 return int(recorded["max_token_id"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # no stamp (or a stale/broken one): scan
     blocks = sum(meta.split(s).tokens for s in SPLITS)
     print(f"verifying {data_dir} ({blocks:,} tokens: checksums and token ids; once per "
@@ -138,7 +161,7 @@ def scanned_max_token_id(data_dir: Path, meta: DatasetMeta) -> int | None:
     max_id = scan_shards(data_dir, meta)
     try:
         tmp = stamp.with_name(f"{STAMP_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"meta_sha256": key, "max_token_id": max_id}) + "\n")
+        tmp.write_text(json.dumps({**key, "max_token_id": max_id}) + "\n")
         os.replace(tmp, stamp)
     except OSError:
         pass  # a read-only dataset: scanned again next time

@@ -171,6 +171,11 @@ def decode_text(raw: bytes) -> str:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         text = raw.decode("latin-1")
+    return normalize_newlines(text)
+
+
+def normalize_newlines(text: str) -> str:
+    """Windows (CRLF) and old Mac (CR) line ends as ``\\n``."""
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 

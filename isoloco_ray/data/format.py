@@ -5,6 +5,7 @@ A prepared dataset is a directory::
     DIR/meta.json                          DatasetMeta, below
     DIR/tokenizer/                         a Hugging Face tokenizer (when meta.tokenizer is a path)
     DIR/{train,valid,test}/part-NNNNN.parquet
+    DIR/.verified.json                     the training checks' scan stamp (checks.py), optional
 
 Each parquet row is one block of exactly ``meta.block_len`` token ids, in a single column
 ``tokens`` of type ``list<int32>``. Documents were tokenized with EOS appended, concatenated and
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import uuid
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -34,6 +36,7 @@ FORMAT_VERSION = 1
 META_FILE = "meta.json"
 TOKENIZER_DIR = "tokenizer"
 SPLITS: tuple[str, ...] = ("train", "valid", "test")
+STAMP_FILE = ".verified.json"
 TOKEN_COLUMN = "tokens"
 TOKEN_TYPE = pa.list_(pa.int32())
 SCHEMA = pa.schema([pa.field(TOKEN_COLUMN, TOKEN_TYPE, nullable=False)])
@@ -236,7 +239,8 @@ def verify(data_dir: str | os.PathLike[str], checksums: bool = True) -> DatasetM
     problems: list[str] = []
     for name in SPLITS:
         for shard in meta.split(name).shards:
-            problems.extend(_shard_problems(data_dir / shard.file, shard, checksums))
+            problems.extend(shard_problems(data_dir / shard.file, shard, meta.block_len,
+                                           checksums))
     if problems:
         raise DataError(
             f"{data_dir} failed verification ({len(problems)} problem(s)); prepare it again "
@@ -244,8 +248,13 @@ def verify(data_dir: str | os.PathLike[str], checksums: bool = True) -> DatasetM
     return meta
 
 
-def _shard_problems(path: Path, shard: ShardInfo, checksums: bool) -> list[str]:
-    """What is wrong with one shard, as messages (empty when it is fine)."""
+def shard_problems(path: Path, shard: ShardInfo, block_len: int, checksums: bool) -> list[str]:
+    """What is wrong with one shard, as messages naming ``shard.file`` (empty when it is fine).
+
+    Always from the parquet footer (cheap): present, readable, the recorded row count, the
+    ``tokens: list<int32>`` schema, and ``block_len`` ids per row (the footer's count of token
+    values must be rows * block_len). ``checksums=True`` also reads the whole file for its
+    sha256."""
     if not path.is_file():
         return [f"{shard.file}: missing"]
     if checksums:
@@ -253,7 +262,7 @@ def _shard_problems(path: Path, shard: ShardInfo, checksums: bool) -> list[str]:
         if actual != shard.sha256:
             return [f"{shard.file}: sha256 {actual} != recorded {shard.sha256}"]
     try:
-        # The footer gives rows and schema without reading the data.
+        # The footer gives rows, schema and value counts without reading the data.
         md = pq.read_metadata(path)
         schema = md.schema.to_arrow_schema()
     except (OSError, pa.ArrowInvalid) as e:
@@ -263,7 +272,45 @@ def _shard_problems(path: Path, shard: ShardInfo, checksums: bool) -> list[str]:
         problems.append(f"{shard.file}: {md.num_rows} rows, meta.json says {shard.rows}")
     if schema.names != [TOKEN_COLUMN] or schema.field(TOKEN_COLUMN).type != TOKEN_TYPE:
         problems.append(f"{shard.file}: schema {schema} is not {TOKEN_COLUMN}: {TOKEN_TYPE}")
+    else:
+        values = sum(md.row_group(i).column(0).num_values for i in range(md.num_row_groups))
+        if values != md.num_rows * block_len:
+            per_row = f"{values / md.num_rows:g}" if md.num_rows else "no"
+            problems.append(
+                f"{shard.file}: {values} token ids in {md.num_rows} rows ({per_row} a row), but "
+                f"meta.json says block_len {block_len}")
     return problems
+
+
+def unexpected_entries(data_dir: str | os.PathLike[str]) -> list[str]:
+    """The entries of ``data_dir`` that a prepared dataset never holds, as relative paths
+    (directories with a trailing ``/``), sorted; empty when it holds only our files.
+
+    Ours: ``meta.json``, ``tokenizer/`` (files only), ``{train,valid,test}/part-N.parquet``,
+    and the scan stamp ``.verified.json`` (and its temporary ``.verified.json.PID.tmp``).
+    Symbolic links are never ours. Used to decide whether a directory may be replaced.
+    """
+    root = Path(data_dir)
+    unexpected: list[str] = []
+    for entry in sorted(root.iterdir()):
+        name = entry.name
+        if entry.is_symlink():
+            unexpected.append(name)
+        elif entry.is_file():
+            if name != META_FILE and not _STAMP_NAME.match(name):
+                unexpected.append(name)
+        elif entry.is_dir() and (name == TOKENIZER_DIR or name in SPLITS):
+            for child in sorted(entry.iterdir()):
+                regular = child.is_file() and not child.is_symlink()
+                if not regular or (name in SPLITS and not _SHARD_NAME.match(child.name)):
+                    unexpected.append(f"{name}/{child.name}" + ("/" if child.is_dir() else ""))
+        else:
+            unexpected.append(name + ("/" if entry.is_dir() else ""))
+    return unexpected
+
+
+_SHARD_NAME = re.compile(r"^part-\d{5,}\.parquet$")
+_STAMP_NAME = re.compile(rf"^{re.escape(STAMP_FILE)}(\.\d+\.tmp)?$")
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:

@@ -20,7 +20,9 @@ serves the demo corpus (demo.py), whose output it keeps exactly as before:
 4. Blocks are written ``shard_blocks`` to a parquet shard; ``meta.json`` last.
 
 Everything is written into a hidden staging directory next to the output and renamed into
-place at the end, so an interrupted run never leaves a directory that looks complete.
+place at the end, so an interrupted run never leaves a directory that looks complete. An
+existing output directory is replaced only with ``overwrite`` and only when it provably is a
+prepared dataset (``_check_replaceable``); anything else is never touched.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -50,7 +53,7 @@ import numpy as np
 from isoloco_ray.data import demo
 from isoloco_ray.data.format import (
     META_FILE, SPLITS, TOKENIZER_DIR, DataError, DatasetMeta, ShardInfo, SplitInfo, shard_name,
-    verify, write_blocks,
+    unexpected_entries, verify, write_blocks,
 )
 from isoloco_ray.data.sources import TextSource, npy_token_files, open_source
 
@@ -60,6 +63,12 @@ if TYPE_CHECKING:
 
 EOS_TOKEN = "<|endoftext|>"
 ENCODE_BATCH = 1024  # documents per encode_batch call: enough to keep the Rust side busy
+
+# What a failed or interrupted preparation left behind, added to its exception as a note (main
+# prints it after "error: ..." or "interrupted: "). prepare_corpus may keep resumable work
+# instead (_keep_if_resumable).
+NOTHING_KEPT = "nothing was kept: the same command starts over"
+NOTHING_KEPT_NPY = "nothing was kept (--from-npy is not resumable): the same command starts over"
 
 # The demo's recipe. Its train split is ~50 shards, so training can give each of up to ~50
 # replicas whole shards of similar data.
@@ -291,8 +300,9 @@ def prepare_dataset(
     ``tokenizer``: a Hugging Face fast tokenizer with an EOS token; None trains a byte-level BPE
     of ``vocab_size`` on the train documents. Either way it is saved to ``out_dir/tokenizer``.
     An existing dataset in ``out_dir`` is replaced only with ``overwrite``; a non-empty directory
-    that is not a dataset is never touched. Safe against crashes (staging directory + rename)
-    and against concurrent preparers of the same ``out_dir`` (a lock file next to it).
+    that is not provably a dataset (our meta.json and only our files) is never touched. Safe
+    against crashes (staging directory + rename) and against concurrent preparers of the same
+    ``out_dir`` (a lock file next to it, removed at the end).
     """
     out_dir = Path(out_dir).expanduser().absolute()
     with _locked(out_dir):
@@ -316,8 +326,9 @@ def _prepare_locked(documents: Sequence[str], out_dir: Path, *, tokenizer: Any =
         meta = _build(documents, staging, tokenizer, vocab_size, block_len, shard_blocks,
                       valid_fraction, test_fraction, seed, source_name)
         _publish(staging, out_dir, overwrite)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
+        e.add_note(NOTHING_KEPT)
         raise
     return meta
 
@@ -346,19 +357,46 @@ def _build(documents: Sequence[str], staging: Path, tokenizer: Any, vocab_size: 
 
 
 def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
-    """Refuse to replace a dataset without ``overwrite``, and anything else that is not empty."""
+    """Allow writing ``out_dir`` only when it is missing, empty, or (with ``overwrite``) provably
+    a prepared dataset (``_not_a_dataset``); raise DataError naming the reason otherwise.
+    Anything that is not provably ours is never replaced, even with ``overwrite``."""
+    if out_dir.is_symlink():
+        raise DataError(f"{out_dir} is a symbolic link; pass the directory it points to "
+                        f"({out_dir.resolve()}) as the output directory")
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
-        raise DataError(f"{out_dir} exists and is not a directory")
+        raise DataError(f"{out_dir} exists and is not a directory; choose another output "
+                        "directory")
     if not any(out_dir.iterdir()):
         return
-    if not (out_dir / META_FILE).exists():
-        raise DataError(f"{out_dir} is not empty and holds no {META_FILE}: not a prepared dataset, "
-                        "so it will not be replaced; choose another output directory")
+    reason = _not_a_dataset(out_dir)
+    if reason:
+        raise DataError(f"{out_dir} is not a prepared dataset ({reason}), so it is never "
+                        "replaced, not even with --overwrite; choose another output directory "
+                        "(or empty this one yourself)")
     if not overwrite:
         raise DataError(f"{out_dir} already holds a prepared dataset; pass --overwrite "
                         "(overwrite=True) to replace it")
+
+
+def _not_a_dataset(out_dir: Path, shown: int = 10) -> str | None:
+    """Why the non-empty ``out_dir`` is not provably a dataset we prepared, or None when it is:
+    a ``meta.json`` that validates as DatasetMeta, and only our files besides
+    (``format.unexpected_entries``)."""
+    reasons = []
+    if not (out_dir / META_FILE).is_file():
+        reasons.append(f"no {META_FILE}")
+    else:
+        try:
+            DatasetMeta.load(out_dir)
+        except DataError:
+            reasons.append(f"its {META_FILE} is not a dataset meta.json")
+    extra = unexpected_entries(out_dir)
+    if extra:
+        more = f" and {len(extra) - shown} more" if len(extra) > shown else ""
+        reasons.append("it holds files a dataset never has: " + ", ".join(extra[:shown]) + more)
+    return "; ".join(reasons) or None
 
 
 def _publish(staging: Path, out_dir: Path, overwrite: bool) -> None:
@@ -386,14 +424,37 @@ def _remove_stale_staging(out_dir: Path) -> None:
 @contextmanager
 def _locked(out_dir: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``out_dir`` (a ``.NAME.lock`` file next to it): concurrent
-    processes (e.g. several Ray workers calling ensure_demo_data) prepare it once."""
+    processes (e.g. several Ray workers calling ensure_demo_data) prepare it once.
+
+    The lock file is deleted on the way out, still locked; a waiter that then gets the lock of
+    the deleted file sees that the name now points elsewhere (or nowhere) and locks again."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_dir.with_name(f".{out_dir.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    path = out_dir.with_name(f".{out_dir.name}.lock")
+    while True:
+        lock = open(path, "a")
         try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if _same_file(path, lock.fileno()):
+                break
+        except BaseException:
+            lock.close()
+            raise
+        lock.close()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        lock.close()  # releases the lock
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the open file ``fd``."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
 
 
 # --------------------------------------------------------------------------- real corpora
@@ -462,6 +523,9 @@ _WORKER_ENCODER: Any = None
 
 def _init_worker(tokenizer_json: str) -> None:
     global _WORKER_ENCODER
+    # Ctrl-C reaches the whole process group: the parent handles it (and terminates the pool);
+    # workers would only print tracebacks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER_ENCODER = _encoder_from_json(tokenizer_json)
 
 
@@ -507,15 +571,28 @@ def resolve_tokenizer(spec: str, source: TextSource, settings: CorpusSettings) -
         except ValueError:
             raise DataError(f"--tokenizer {spec}: expected train-bpe:VOCAB, e.g. train-bpe:8192")
         return train_bpe_tokenizer(_bpe_sample(source, settings), vocab)
+    local = Path(spec).expanduser()
+    if not local.exists() and _looks_like_path(spec):
+        raise DataError(f"--tokenizer {spec}: no such directory; pass the directory of a saved "
+                        "Hugging Face tokenizer, a Hugging Face name or train-bpe:VOCAB")
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(spec)
+        tok = AutoTokenizer.from_pretrained(str(local) if local.exists() else spec)
     except Exception as e:  # transformers raises OSError, ValueError, HTTP errors...
-        raise DataError(f"--tokenizer {spec}: cannot load it with AutoTokenizer ({e})") from e
+        where = "" if local.exists() else " (there is no local directory of that name either)"
+        raise DataError(f"--tokenizer {spec}: cannot load it with AutoTokenizer ({e}){where}"
+                        ) from e
     if tok.eos_token_id is None:
         raise DataError(f"--tokenizer {spec} has no EOS token: documents could not be separated")
     return tok
+
+
+def _looks_like_path(spec: str) -> bool:
+    """Whether a --tokenizer spec can only mean a local path: it starts with / . or ~, or has
+    more than one /, which a Hugging Face name (NAME or ORG/NAME) never has."""
+    return spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or (
+        os.sep != "/" and os.sep in spec)
 
 
 def _bpe_sample(source: TextSource, settings: CorpusSettings) -> Iterator[str]:
@@ -658,29 +735,53 @@ def prepare_corpus(source: TextSource, out_dir: str | os.PathLike[str], settings
                     f"({_settings_diff(saved['settings'], settings)}); run the same command again "
                     "to finish it, or pass --overwrite to discard it")
             saved = None
-        if saved is None:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-            tokenizer = resolve_tokenizer(settings.tokenizer, source, settings)
-            save_tokenizer(tokenizer, staging / TOKENIZER_DIR)
-        else:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(staging / TOKENIZER_DIR)
-        run = _Run(staging, settings)
-        if saved is not None:
-            run.restore(saved)
-        else:
-            run.save_progress()
-        bos_id = uses_bos(tokenizer)
-        _stream_into(run, source, tokenizer, bos_id, workers, progress)
-        meta = run.finish(tokenizer, bos_id)
-        meta.save(staging)
-        (staging / PROGRESS_FILE).unlink()
-        for carry in staging.glob("carry-*.npz"):
-            carry.unlink()
-        _publish(staging, out_dir, overwrite)
+        try:
+            meta = _prepare_into(staging, saved, source, settings, workers, progress)
+            _publish(staging, out_dir, overwrite)
+        except BaseException as e:
+            e.add_note(_keep_if_resumable(staging, settings))
+            raise
     return meta
+
+
+def _prepare_into(staging: Path, saved: dict[str, Any] | None, source: TextSource,
+                  settings: CorpusSettings, workers: int, progress: bool) -> DatasetMeta:
+    """prepare_corpus's work in ``staging``, from the start (``saved`` None) or from a progress
+    record; ends with the complete dataset there (meta.json written, progress file removed)."""
+    if saved is None:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        tokenizer = resolve_tokenizer(settings.tokenizer, source, settings)
+        save_tokenizer(tokenizer, staging / TOKENIZER_DIR)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(staging / TOKENIZER_DIR)
+    run = _Run(staging, settings)
+    if saved is not None:
+        run.restore(saved)
+    else:
+        run.save_progress()
+    bos_id = uses_bos(tokenizer)
+    _stream_into(run, source, tokenizer, bos_id, workers, progress)
+    meta = run.finish(tokenizer, bos_id)
+    meta.save(staging)
+    (staging / PROGRESS_FILE).unlink()
+    for carry in staging.glob("carry-*.npz"):
+        carry.unlink()
+    return meta
+
+
+def _keep_if_resumable(staging: Path, settings: CorpusSettings) -> str:
+    """After a failed prepare_corpus: keep ``staging`` if a re-run can resume from it (a
+    progress record past the first document, or a trained tokenizer), else delete it; return
+    which, as a note for the message."""
+    saved = _read_progress(staging)
+    if saved is not None and (saved.get("next_document", 0) > 0
+                              or settings.tokenizer.startswith("train-bpe:")):
+        return f"partial work kept in {staging}: rerun the same command to resume"
+    shutil.rmtree(staging, ignore_errors=True)
+    return NOTHING_KEPT
 
 
 def _stream_into(run: _Run, source: TextSource, tokenizer: Any, bos_id: int | None,
@@ -690,18 +791,20 @@ def _stream_into(run: _Run, source: TextSource, tokenizer: Any, bos_id: int | No
     bar = _progress_bar(run.settings.total_tokens, run.tokens("train"), progress)
     documents = itertools.islice(source.documents(), run.next_document, None)
     written = run.shards_written()
-    for stream, lengths in tokenized_batches(_batched(documents, CORPUS_BATCH),
-                                             _backend_json(tokenizer), tokenizer.eos_token_id,
-                                             bos_id, workers):
-        before = run.tokens("train")
-        run.add_batch(stream, lengths)
-        bar.update(run.tokens("train") - before)
-        if run.shards_written() != written:
-            run.save_progress()
-            written = run.shards_written()
-        if run.done():
-            break
-    bar.close()
+    try:
+        for stream, lengths in tokenized_batches(_batched(documents, CORPUS_BATCH),
+                                                 _backend_json(tokenizer), tokenizer.eos_token_id,
+                                                 bos_id, workers):
+            before = run.tokens("train")
+            run.add_batch(stream, lengths)
+            bar.update(run.tokens("train") - before)
+            if run.shards_written() != written:
+                run.save_progress()
+                written = run.shards_written()
+            if run.done():
+                break
+    finally:
+        bar.close()  # ends the bar's line before any message
 
 
 def _progress_bar(total: int | None, initial: int, enabled: bool) -> Any:
@@ -745,9 +848,16 @@ def prepare_from_npy(npy_dir: str | os.PathLike[str], out_dir: str | os.PathLike
     tokens. ``tokenizer`` (a path or Hugging Face name: the one the arrays were made with) is
     required so meta.json and exported models name it; ``vocab_size`` overrides len(tokenizer)
     when the arrays were made for a padded vocabulary. Every id is checked against the vocab.
-    Not resumable (it is a fast copy): an interrupted conversion starts over."""
+    Not resumable (it is a fast copy): an interrupted conversion starts over. Train and valid
+    must hold at least a block each (training reads both)."""
     out_dir = Path(out_dir).expanduser().absolute()
     files = npy_token_files(npy_dir)
+    for split in ("train", "valid"):
+        tokens = sum(len(_load_npy(path)) for path in files[split])
+        if tokens < block_len:
+            raise DataError(f"--from-npy {npy_dir}: the {split} arrays hold {tokens} tokens, "
+                            f"less than one block of {block_len} (--block-len); training needs "
+                            f"{split} data")
     source = TextSource(f"npy: {Path(npy_dir).absolute()}", lambda: iter(()))
     settings = CorpusSettings(source=source.name, tokenizer=tokenizer, block_len=block_len,
                               shard_blocks=shard_blocks)
@@ -770,8 +880,9 @@ def prepare_from_npy(npy_dir: str | os.PathLike[str], out_dir: str | os.PathLike
                 pad_id=tok.pad_token_id, block_len=block_len, seed=0, splits=splits)
             meta.save(staging)
             _publish(staging, out_dir, overwrite)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(staging, ignore_errors=True)
+            e.add_note(NOTHING_KEPT_NPY)
             raise
     return meta
 
@@ -782,24 +893,33 @@ def _convert_npy_split(files: list[Path], staging: Path, split: str, eos_id: int
     writer = ShardWriter(staging / split, shard_blocks)
     documents = 0
     for path in files:
-        try:
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise DataError(f"{path}: not a readable .npy array ({e})") from e
-        if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise DataError(f"{path}: expected a flat integer token array (uint16), got "
-                            f"{array.dtype} of shape {array.shape}")
+        array = _load_npy(path)
         for start in range(0, len(array), NPY_CHUNK):
             chunk = np.asarray(array[start:start + NPY_CHUNK])
             if len(chunk) and (int(chunk.max()) >= vocab or int(chunk.min()) < 0):
-                raise DataError(f"{path}: token id {int(chunk.max())} is outside the vocabulary "
-                                f"(0..{vocab - 1}); wrong --tokenizer or --vocab-size?")
+                at = int(np.flatnonzero((chunk < 0) | (chunk >= vocab))[0])
+                raise DataError(
+                    f"{path}: token id {int(chunk[at])} at index {start + at} is outside the "
+                    f"vocabulary (0..{vocab - 1}); a negative id means the file is not a token "
+                    "array, a large one the wrong --tokenizer or --vocab-size")
             documents += int(np.count_nonzero(chunk == eos_id))
             writer.add(packer.add(chunk.astype(np.int32)))
     shards = writer.close()
     blocks = sum(s.rows for s in shards)
     return SplitInfo(documents=documents, tokens=blocks * block_len,
                      dropped_tokens=packer.dropped, blocks=blocks, shards=shards)
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    """A flat integer token array, memory-mapped (nothing read yet); DataError otherwise."""
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable .npy array ({e})") from e
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise DataError(f"{path}: expected a flat integer token array (uint16), got "
+                        f"{array.dtype} of shape {array.shape}")
+    return array
 
 
 # --------------------------------------------------------------------------- the demo
@@ -829,9 +949,12 @@ def ensure_demo_data(cache_dir: Path | None = None) -> Path:
     with _locked(out_dir):
         if _is_current_demo(out_dir):
             return out_dir
+        # A dataset (of another recipe, or damaged) is replaced; anything else is refused,
+        # before downloading.
+        _check_replaceable(out_dir, overwrite=True)
         documents = list(demo.iter_demo_documents(demo.download_dir(cache_dir)))
-        _prepare_locked(documents, out_dir, source_name=demo.DEMO_SOURCE,
-                        overwrite=_looks_like_dataset(out_dir), **DEMO_SETTINGS)
+        _prepare_locked(documents, out_dir, source_name=demo.DEMO_SOURCE, overwrite=True,
+                        **DEMO_SETTINGS)
     return out_dir
 
 
@@ -847,10 +970,6 @@ def _is_current_demo(out_dir: Path, settings: dict[str, Any] | None = None) -> b
         return (meta.block_len, meta.seed, meta.vocab_size) == (
             settings["block_len"], settings["seed"], settings["vocab_size"])
     return True
-
-
-def _looks_like_dataset(out_dir: Path) -> bool:
-    return (out_dir / META_FILE).exists()
 
 
 # --------------------------------------------------------------------------- CLI
@@ -952,7 +1071,8 @@ def _summary(meta: DatasetMeta, out_dir: Path, seconds: float) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point; returns the exit status (0 ok, 1 failure, 2 bad arguments)."""
+    """CLI entry point; returns the exit status: 0 ok, 2 bad arguments or data (one ``error:``
+    line on stderr), 130 interrupted (one ``interrupted:`` line saying what was kept)."""
     p = _parser()
     args = p.parse_args(argv)
     _check_args(p, args)
@@ -967,9 +1087,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             meta = _main_npy(args, out_dir) if args.from_npy else _main_source(args, out_dir)
             if meta is None:
                 return 0
-    except (DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except KeyboardInterrupt as e:
+        notes = getattr(e, "__notes__", None)
+        kept = notes[-1] if notes else NOTHING_KEPT_NPY if args.from_npy else NOTHING_KEPT
+        print(f"interrupted: {kept}", file=sys.stderr)
+        return 130
+    except (DataError, ValueError, OSError) as e:
+        notes = "".join(f" ({note})" for note in getattr(e, "__notes__", ()))
+        print(f"error: {e}{notes}", file=sys.stderr)
+        return 2
     print(_summary(meta, out_dir, time.perf_counter() - start))
     return 0
 

@@ -5,9 +5,11 @@ meta.json and a function that yields the documents, always in the same order (pr
 that order to split deterministically and to resume). Kinds:
 
 - a local file or folder (searched recursively, files sorted by path) of
-  ``.txt`` (one document per file), ``.jsonl`` (one JSON object per line; the text field,
-  default ``text``) or ``.parquet`` (the text column, default ``text``, read a row group at a
-  time so a large file never sits in memory);
+  ``.txt`` (one UTF-8 document per file), ``.jsonl`` (one UTF-8 JSON object per line; the text
+  field, default ``text``) or ``.parquet`` (the text column, default ``text``, of a string type,
+  read a row group at a time so a large file never sits in memory). Text that is not UTF-8 is
+  an error naming the file and line; a ``.txt`` file that looks binary (NUL bytes in its first
+  8 KiB) is skipped with a warning on stderr;
 - anything else is a Hugging Face dataset name, streamed with ``datasets.load_dataset(...,
   streaming=True)`` (the optional ``hf`` extra: ``pip install -e ".[hf]"``), e.g.
   ``mlfoundations/dclm-baseline-1.0-parquet``; ``NAME:CONFIG`` selects a config.
@@ -21,13 +23,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from isoloco_ray.data.format import SPLITS, DataError
 
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
+
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+BINARY_SNIFF_BYTES = 8192  # a .txt file with a NUL byte in its first 8 KiB is taken as binary
 _NPY_NAME = re.compile(r"^(train|valid|test)_(\d{6})\.npy$")
 
 
@@ -44,6 +52,9 @@ def open_source(spec: str, text_field: str = "text", hf_split: str = "train") ->
     path = Path(spec).expanduser()
     if path.exists():
         files = local_files(path)
+        for f in files:
+            if f.suffix == ".parquet":
+                _parquet_text_column(f, text_field)  # a wrong column fails now, not mid-run
         return TextSource(f"local: {path.absolute()} ({len(files)} files, field {text_field!r})",
                           lambda: iter_local_documents(files, text_field))
     if spec.startswith((".", "/", "~")) or spec.endswith(TEXT_SUFFIXES):
@@ -54,7 +65,9 @@ def open_source(spec: str, text_field: str = "text", hf_split: str = "train") ->
 
 
 def local_files(path: Path) -> list[Path]:
-    """The text files under ``path`` (itself if a file), sorted, so the order never varies."""
+    """The text files under ``path`` (itself if a file), sorted, so the order never varies.
+    ``.txt`` files that look binary (``looks_binary``) are left out, each with a warning on
+    stderr."""
     if path.is_file():
         files = [path]
     else:
@@ -63,6 +76,11 @@ def local_files(path: Path) -> list[Path]:
     for f in files:
         if f.suffix not in TEXT_SUFFIXES:
             raise DataError(f"{f}: unsupported file type; expected one of {TEXT_SUFFIXES}")
+    binary = [f for f in files if f.suffix == ".txt" and looks_binary(f)]
+    for f in binary:
+        print(f"warning: {f}: skipped: looks like binary data (NUL bytes in its first "
+              f"{BINARY_SNIFF_BYTES // 1024} KiB), not UTF-8 text", file=sys.stderr)
+    files = [f for f in files if f not in binary]
     if not files:
         raise DataError(f"{path} holds no {', '.join(TEXT_SUFFIXES)} files")
     return files
@@ -77,15 +95,35 @@ def iter_local_documents(files: list[Path], text_field: str = "text") -> Iterato
                 yield text
 
 
-def _iter_txt(path: Path, text_field: str) -> Iterator[str]:
-    from isoloco_ray.data.demo import decode_text
+def looks_binary(path: Path) -> bool:
+    """Whether ``path`` holds a NUL byte in its first ``BINARY_SNIFF_BYTES`` (text never does;
+    UTF-16 text does, and is not supported either)."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(BINARY_SNIFF_BYTES)
 
-    yield decode_text(path.read_bytes())
+
+def decode_utf8(raw: bytes, path: Path, first_line: int = 1) -> str:
+    """``raw`` (a file's bytes from line ``first_line`` on) as text, a UTF-8 BOM dropped;
+    DataError naming the file, line and byte when it is not UTF-8."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = first_line + raw.count(b"\n", 0, e.start)
+        raise DataError(
+            f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); convert the file to "
+            "UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave it out of --source") from None
+
+
+def _iter_txt(path: Path, text_field: str) -> Iterator[str]:
+    from isoloco_ray.data.demo import normalize_newlines
+
+    yield normalize_newlines(decode_utf8(path.read_bytes(), path))
 
 
 def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            line = decode_utf8(raw, path, number)
             if not line.strip():
                 continue
             try:
@@ -95,16 +133,31 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
             yield _text_of(record, text_field, f"{path}:{number}")
 
 
-def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
+def _parquet_text_column(path: Path, text_field: str) -> pq.ParquetFile:
+    """Open a parquet source file; DataError unless it has a string column ``text_field``."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for a bad file
         raise DataError(f"{path}: not a readable parquet file ({e})") from e
-    if text_field not in pf.schema_arrow.names:
-        raise DataError(f"{path}: no column {text_field!r} (columns: {pf.schema_arrow.names}); "
+    schema = pf.schema_arrow
+    if text_field not in schema.names:
+        raise DataError(f"{path}: no column {text_field!r} (columns: {schema.names}); "
                         "choose it with --text-field")
+    kind = schema.field(text_field).type
+    values = kind.value_type if pa.types.is_dictionary(kind) else kind
+    is_string_view = getattr(pa.types, "is_string_view", lambda _: False)  # pyarrow >= 16
+    if not (pa.types.is_string(values) or pa.types.is_large_string(values)
+            or is_string_view(values) or pa.types.is_null(values)):
+        raise DataError(f"{path}: column {text_field!r} has type {kind}, not text (string); "
+                        "choose the text column with --text-field")
+    return pf
+
+
+def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
+    pf = _parquet_text_column(path, text_field)
     for batch in pf.iter_batches(batch_size=4096, columns=[text_field]):
         for text in batch.column(0).to_pylist():
             yield text or ""
@@ -138,7 +191,8 @@ def _text_of(record: object, field: str, where: str) -> str:
 
 def npy_token_files(directory: str | os.PathLike[str]) -> dict[str, list[Path]]:
     """``{split: [files]}`` of a folder of ``{train,valid,test}_NNNNNN.npy`` token arrays,
-    each split's files in number order; a split without files gets an empty list."""
+    each split's files in number order; test may have none (an empty list), train and valid
+    (which training evaluates on) may not."""
     directory = Path(directory)
     if not directory.is_dir():
         raise DataError(f"--from-npy {directory}: not a folder")
@@ -147,6 +201,8 @@ def npy_token_files(directory: str | os.PathLike[str]) -> dict[str, list[Path]]:
         m = _NPY_NAME.match(p.name)
         if m:
             found[m.group(1)].append((int(m.group(2)), p))
-    if not found["train"]:
-        raise DataError(f"--from-npy {directory}: no train_NNNNNN.npy files")
+    for split in ("train", "valid"):
+        if not found[split]:
+            raise DataError(f"--from-npy {directory}: no {split}_NNNNNN.npy files; training "
+                            f"needs a {split} split")
     return {s: [p for _, p in sorted(v)] for s, v in found.items()}

@@ -6,6 +6,9 @@ shards are read by Ray Data (`read_parquet`, order preserved, one unsplit datase
 read only by the worker that hosts it: `replica_data_config`); without Ray (tests, single-process loops) the
 same files are read with pyarrow. Both feed `ReplicaStream`, which cuts blocks into sequences,
 groups them into batches and counts what it consumed, since Ray Data cannot resume mid-epoch.
+Readers yield `ShardBlocks`: the rows and the shard file of each row (Ray Data's `path` column),
+so that a token id outside the model's vocabulary, checked as every batch is read, is reported
+with its file instead of failing as an index error inside the embedding.
 """
 
 from __future__ import annotations
@@ -18,13 +21,29 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from isoloco_ray.data.format import read_blocks
+from isoloco_ray.data.format import DataError, read_blocks
 
 if TYPE_CHECKING:
     import ray.data
 
-# Yields the blocks of one epoch, in order, as (rows, block_len) integer arrays.
-EpochReader = Callable[[], Iterable[np.ndarray]]
+
+@dataclass(frozen=True)
+class ShardBlocks:
+    """Consecutive rows of a replica's train shards and the shard file they were read from."""
+
+    tokens: np.ndarray  # (rows, block_len) integer token ids
+    files: str | np.ndarray  # the shard of every row: one path, or one path per row
+
+    def file_of(self, row: int) -> str:
+        """The shard file that row ``row`` of ``tokens`` came from."""
+        return self.files if isinstance(self.files, str) else str(self.files[row])
+
+
+# Yields the rows of one epoch, in order.
+EpochReader = Callable[[], Iterable[ShardBlocks]]
+
+# Ray Data's column with each row's file, added by read_parquet(include_paths=True).
+PATH_COLUMN = "path"
 
 
 def replica_files(train_files: Sequence[Path], replica: int, replicas: int) -> list[Path]:
@@ -44,18 +63,38 @@ def dataset_name(replica: int) -> str:
 
 def pyarrow_reader(files: Sequence[Path]) -> EpochReader:
     """An epoch reader over local parquet shards, without Ray."""
-    return lambda: (read_blocks(path) for path in files)
+    return lambda: (ShardBlocks(read_blocks(path), str(path)) for path in files)
 
 
 def ray_data_reader(iterator: Any, rows_per_read: int = 256) -> EpochReader:
-    """An epoch reader over a Ray Data `DataIterator` of a replica's shards."""
+    """An epoch reader over a Ray Data `DataIterator` of a replica's shards (read with
+    `include_paths=True`, as `replica_datasets` does, so every row names its shard)."""
 
-    def epoch() -> Iterator[np.ndarray]:
+    def epoch() -> Iterator[ShardBlocks]:
         for batch in iterator.iter_batches(batch_size=rows_per_read, batch_format="numpy",
                                            prefetch_batches=2):
-            yield np.stack(batch["tokens"])
+            files = batch.get(PATH_COLUMN)
+            yield ShardBlocks(np.stack(batch["tokens"]),
+                              "a train shard (no path column)" if files is None else files)
 
     return epoch
+
+
+def check_token_ids(blocks: ShardBlocks, vocab_size: int) -> None:
+    """Raise DataError naming the shard file and the id if any token id of ``blocks`` is
+    outside ``0..vocab_size - 1`` (two vectorised reductions per batch; the search for the
+    offending row runs only when there is one)."""
+    tokens = blocks.tokens
+    if tokens.size == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < vocab_size):
+        return
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    row = int(np.flatnonzero(bad.any(axis=1))[0])
+    token = int(tokens[row][bad[row]][0])
+    raise DataError(
+        f"{blocks.file_of(row)}: token id {token} is outside the model's vocabulary "
+        f"(0..{vocab_size - 1}): the shard was not made with this model's tokenizer, or it is "
+        "corrupt; prepare the data again (with --overwrite) or set model.vocab_size to the "
+        "tokenizer's")
 
 
 @dataclass
@@ -71,15 +110,19 @@ class ReplicaStream:
 
     Blocks of `block_len` tokens are cut into `block_len // seq_len` sequences (the remainder of
     a block, if any, is not used). When the shards are exhausted a new epoch starts over them.
+    With `vocab_size` (the model's), every block read is checked to hold ids below it
+    (`check_token_ids`: DataError naming the shard); None skips the check.
     """
 
     position: StreamPosition
 
     def __init__(self, read_epoch: EpochReader, seq_len: int, batch_size: int,
-                 position: StreamPosition | None = None) -> None:
+                 position: StreamPosition | None = None, *,
+                 vocab_size: int | None = None) -> None:
         self._read_epoch = read_epoch
         self._seq_len = seq_len
         self._batch_size = batch_size
+        self._vocab_size = vocab_size
         self.position = position or StreamPosition()
         self._sequences: Iterator[np.ndarray] = self._open_epoch(skip=self.position.sequences)
 
@@ -91,7 +134,10 @@ class ReplicaStream:
     def _open_epoch(self, skip: int) -> Iterator[np.ndarray]:
         def sequences() -> Iterator[np.ndarray]:
             to_skip = skip
-            for blocks in self._read_epoch():
+            for part in self._read_epoch():
+                if self._vocab_size is not None:
+                    check_token_ids(part, self._vocab_size)
+                blocks = part.tokens
                 per_block = blocks.shape[1] // self._seq_len
                 if per_block == 0:
                     raise ValueError(
@@ -126,12 +172,13 @@ class ReplicaStream:
 
 
 def replica_datasets(train_files: Sequence[Path], replicas: int) -> dict[str, ray.data.Dataset]:
-    """One Ray Data dataset per replica over its own shards (order preserved when iterated)."""
+    """One Ray Data dataset per replica over its own shards (order preserved when iterated),
+    each row with its shard's path (the `path` column) for error messages."""
     import ray.data
 
     return {
         dataset_name(r): ray.data.read_parquet(
-            [str(p) for p in replica_files(train_files, r, replicas)])
+            [str(p) for p in replica_files(train_files, r, replicas)], include_paths=True)
         for r in range(replicas)
     }
 

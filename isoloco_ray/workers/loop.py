@@ -85,7 +85,8 @@ class Trainer:
         fused = env.device.type == "cuda"
         self.replicas = [
             Replica(r, self.model, cfg.inner, total_steps,
-                    ReplicaStream(env.read_epoch(r), cfg.data.seq_len, cfg.data.batch_size),
+                    ReplicaStream(env.read_epoch(r), cfg.data.seq_len, cfg.data.batch_size,
+                                  vocab_size=self.model.config.vocab_size),
                     fused=fused)
             for r in self.layout.hosted
         ]
