@@ -449,6 +449,29 @@ def field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
     return paths
 
 
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted paths: {"inner": {"lr": 1}} -> {"inner.lr": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Dotted paths as nested sections: {"inner.lr": 1} -> {"inner": {"lr": 1}}."""
+    nested: dict[str, Any] = {}
+    for path, value in flat.items():
+        *sections, name = path.split(".")
+        node = nested
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+    return nested
+
+
 def load_config(args: list[str], prog: str = "python -m isoloco_ray.train") -> TrainConfig:
     """The TrainConfig of a command line `[CONFIG.yaml] [--section.field=value ...]`."""
     values: dict[str, Any] = {}

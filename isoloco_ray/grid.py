@@ -21,8 +21,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from isoloco_ray.config import (NAME_MAX_LEN, ConfigError, TrainConfig, build_config,
-                                check_name, field_paths, format_validation_error, merge_nested,
-                                read_yaml_config)
+                                check_name, field_paths, flatten, format_validation_error,
+                                merge_nested, nest, read_yaml_config)
 
 SummaryMetric = Literal["final_eval_loss", "final_eval_perplexity", "tokens_per_s", "seconds",
                         "train_seconds", "outer_bytes_per_round"]
@@ -63,29 +63,6 @@ def check_field_path(path: str) -> str:
     close = difflib.get_close_matches(path, FIELD_PATHS, n=1)
     hint = f"; did you mean {close[0]}?" if close else " (fields are section.field, e.g. inner.lr)"
     raise ValueError(f"unknown field {path!r}{hint}")
-
-
-def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested sections as dotted paths: {"inner": {"lr": 1}} -> {"inner.lr": 1}."""
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """Dotted paths as nested sections: {"inner.lr": 1} -> {"inner": {"lr": 1}}."""
-    nested: dict[str, Any] = {}
-    for path, value in flat.items():
-        *sections, name = path.split(".")
-        node = nested
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[name] = value
-    return nested
 
 
 class GridFile(_Strict):
@@ -294,7 +271,7 @@ def validate_against_data(trials: list[Trial], warnings: list[str] | None = None
     and those trials are not checked against it; a config that does not fit data that is
     there is still an error."""
     from isoloco_ray.data.format import DataError
-    from isoloco_ray.train import check_against_data
+    from isoloco_ray.data.checks import check_against_data
     from isoloco_ray.wandb_log import check_wandb_available
 
     data: dict[Any, tuple[Path, Any] | str] = {}  # data.path -> (directory, meta), or why not
@@ -327,7 +304,7 @@ def _load_data(cfg: TrainConfig, lenient: bool) -> tuple[Path, Any] | str:
     """(data directory, its DatasetMeta) of `cfg`; ConfigError/DataError when it is missing
     or broken, or when `lenient` (a dry run) the reason as a string."""
     from isoloco_ray.data.format import DataError, DatasetMeta
-    from isoloco_ray.train import resolve_data_dir
+    from isoloco_ray.data.checks import resolve_data_dir
 
     raw = "" if cfg.data.path is None else str(cfg.data.path)
     if lenient and unset_variable(raw) is not None:

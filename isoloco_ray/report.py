@@ -26,8 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from isoloco_ray import strict_json
-from isoloco_ray.config import check_name
-from isoloco_ray.grid import flatten
+from isoloco_ray.config import check_name, flatten
 
 GRID_FILE = "grid.json"  # written by isoloco_ray.tune: name, metric, mode, trials
 RUNS_DIR = "runs"  # a grid's run directories

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray.config import OPTION_STRATEGIES, ConfigError, read_yaml_config
-from isoloco_ray.grid import nest
+from isoloco_ray.config import OPTION_STRATEGIES, ConfigError, nest, read_yaml_config
 from isoloco_ray.strategies import STRATEGIES
 
 # The research code's strategy names -> ours (mergeloco is refined into ties or dare).

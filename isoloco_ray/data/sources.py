@@ -114,9 +114,12 @@ def decode_utf8(raw: bytes, path: Path, first_line: int = 1) -> str:
             "UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave it out of --source") from None
 
 
-def _iter_txt(path: Path, text_field: str) -> Iterator[str]:
-    from isoloco_ray.data.demo import normalize_newlines
+def normalize_newlines(text: str) -> str:
+    """Windows (CRLF) and old Mac (CR) line ends as ``\\n``."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
+
+def _iter_txt(path: Path, text_field: str) -> Iterator[str]:
     yield normalize_newlines(decode_utf8(path.read_bytes(), path))
 
 
