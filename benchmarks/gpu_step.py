@@ -1,8 +1,8 @@
 """Inner-step throughput and MFU of one model on one device, through the project's own code.
 
 Builds the Llama with isoloco_ray.workers.model (build_model, Runtime: bf16 autocast on GPU,
-optional torch.compile) and times the inner step the workers run (replica.accumulate_gradients,
-gradient clipping, fused AdamW on CUDA) on random tokens, so no data is needed.
+optional torch.compile) and times the inner step the workers run (replica.inner_step: gradients,
+clipping, fused AdamW on CUDA, the LR schedule) on random tokens, so no data is needed.
 
     python benchmarks/gpu_step.py --preset 178M --steps 10               # on a GPU
     python benchmarks/gpu_step.py --device cpu --preset tiny --steps 2   # a quick check anywhere
@@ -22,7 +22,7 @@ import torch
 
 from isoloco_ray.config import InnerConfig, ModelConfig
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
-from isoloco_ray.workers.replica import accumulate_gradients, make_inner_optimizer
+from isoloco_ray.workers.replica import inner_step, make_inner_optimizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,19 +52,15 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
     torch.manual_seed(0)
     model = build_model(ModelConfig(preset=args.preset), args.vocab, seed=0).to(device)
     runtime = Runtime.create(model, device, args.autocast, args.compile)
-    optimizer, _ = make_inner_optimizer(model, InnerConfig(lr=1e-3, weight_decay=0.1),
-                                        total_steps=args.warmup + args.steps,
-                                        fused=device.type == "cuda")
+    optimizer, schedule = make_inner_optimizer(model, InnerConfig(lr=1e-3, weight_decay=0.1),
+                                               total_steps=args.warmup + args.steps,
+                                               fused=device.type == "cuda")
     # Host batches, as the data stream hands them over (pinned + async copy on GPU).
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq_len)) for _ in range(2)]
     micro = args.micro_batch or args.batch
 
     def step(i: int) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        loss = accumulate_gradients(runtime, batches[i % 2], micro)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        return loss
+        return inner_step(runtime, optimizer, schedule, [batches[i % 2]], micro, clip=1.0)
 
     def sync() -> None:
         if device.type == "cuda":

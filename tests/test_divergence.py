@@ -12,7 +12,7 @@ from isoloco_ray import strict_json, train
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DataError
 from isoloco_ray.data.stream import ReplicaStream
-from isoloco_ray.workers import checkpoint, loop
+from isoloco_ray.workers import checkpoint, loop, replica
 from isoloco_ray.workers.local import run_local
 from isoloco_ray.workers.outer_sync import OuterSync
 
@@ -63,7 +63,7 @@ def test_a_non_finite_validation_loss_stops_the_run(small_dataset, tmp_path, mon
 
 def test_adamw_ddp_skips_non_finite_rounds_and_stops_after_max_bad_rounds(
         small_dataset, tmp_path, monkeypatch):
-    real = loop.accumulate_gradients
+    real = replica.accumulate_gradients
     poisoned_from_round = 2  # rounds are 1-based in reports; round 2's steps get NaN gradients
     state = {"steps": 0}
 
@@ -75,7 +75,7 @@ def test_adamw_ddp_skips_non_finite_rounds_and_stops_after_max_bad_rounds(
                 p.grad.fill_(math.nan)
         return loss
 
-    monkeypatch.setattr(loop, "accumulate_gradients", accumulate_gradients)
+    monkeypatch.setattr(replica, "accumulate_gradients", accumulate_gradients)
     cfg = load_config(RUN + ["--outer.strategy=adamw_ddp", "--run.rounds=5",
                              "--run.max_bad_rounds=2"])
     reports = []

@@ -32,7 +32,7 @@ from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
 from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
 from isoloco_ray.workers.outer_sync import OuterStepStats, OuterSync
-from isoloco_ray.workers.replica import (Replica, accumulate_gradients, load_parameters,
+from isoloco_ray.workers.replica import (Replica, inner_step, load_parameters,
                                          snapshot_parameters)
 
 Metrics = dict[str, Any]
@@ -215,37 +215,33 @@ class Trainer:
         shard = self.layout.shard
         shares = self.cfg.scaling.replicas * self.cfg.scaling.workers_per_replica
         load_parameters(self.model, self.global_params)
-        started = time.perf_counter()
-        loss_sum = torch.zeros((), device=self.env.device)
-        data_error = None
-        for _ in range(self.cfg.inner.steps):
-            optimizer.zero_grad(set_to_none=True)
-            for replica in self.replicas:  # gradients of the hosted batches add up in .grad
-                if data_error is not None:
-                    break
-                try:
-                    batch = replica.stream.next_batch()
-                except DataError as exc:
-                    # Keep joining the step's all-reduce (with what is accumulated) so the
-                    # other ranks reach the end of the round, where every rank stops.
-                    data_error = str(exc)
-                    break
-                if shard is not None:
-                    batch = shard.rows(batch)
-                loss_sum += accumulate_gradients(self.runtime, batch,
-                                                 self.cfg.data.micro_batch_size)
+
+        def average_over_all_replicas() -> None:
             for p in params:
-                if p.grad is None:
+                if p.grad is None:  # no batch read here (a data error): still join the sum
                     p.grad = torch.zeros_like(p)
             computed = time.perf_counter()
             all_reduce_sum([p.grad for p in params], traffic)
             stats.comm_seconds += time.perf_counter() - computed
             for p in params:
                 p.grad /= shares
-            if self.cfg.inner.clip is not None:
-                nn.utils.clip_grad_norm_(params, self.cfg.inner.clip)
-            optimizer.step()
-            schedule.step()
+
+        started = time.perf_counter()
+        loss_sum = torch.zeros((), device=self.env.device)
+        data_error = None
+        for _ in range(self.cfg.inner.steps):
+            batches = []  # the hosted replicas' batches: their gradients add up in .grad
+            try:
+                if data_error is None:
+                    batches = [replica.stream.next_batch() for replica in self.replicas]
+            except DataError as exc:
+                # Keep joining the steps' all-reduce so the other ranks reach the end of the
+                # round, where every rank stops.
+                data_error = str(exc)
+            loss_sum += inner_step(
+                self.runtime, optimizer, schedule,
+                [batch if shard is None else shard.rows(batch) for batch in batches],
+                self.cfg.data.micro_batch_size, self.cfg.inner.clip, average_over_all_replicas)
         inner_seconds = time.perf_counter() - started - stats.comm_seconds
         self.stop_if_any_rank_failed(data_error)
         stats.bytes_received = traffic.take()

@@ -9,7 +9,7 @@ declared at the top of `Replica`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,6 +59,27 @@ def accumulate_gradients(runtime: Runtime, batch: torch.Tensor, micro_batch_size
     return total
 
 
+def inner_step(runtime: Runtime, optimizer: torch.optim.Optimizer,
+               schedule: torch.optim.lr_scheduler.LRScheduler, batches: Sequence[torch.Tensor],
+               micro_batch_size: int, clip: float | None,
+               average_gradients: Callable[[], None] | None = None) -> torch.Tensor:
+    """One inner AdamW step, as every training path takes it: the gradients of each batch's
+    mean loss add up in `.grad`, `average_gradients` (if any) averages them with the other
+    workers that share the step, then clipping, the optimizer and the LR schedule. Returns the
+    batches' summed mean losses as a device tensor (no host sync)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = torch.zeros((), device=runtime.device)
+    for batch in batches:
+        loss += accumulate_gradients(runtime, batch, micro_batch_size)
+    if average_gradients is not None:
+        average_gradients()
+    if clip is not None:
+        nn.utils.clip_grad_norm_(runtime.forward.parameters(), clip)
+    optimizer.step()
+    schedule.step()
+    return loss
+
+
 class Replica:
     """A replica's private state; everything here goes into a checkpoint."""
 
@@ -86,18 +107,13 @@ class Replica:
         """
         load_parameters(model, global_params)
         model.train()
+        average = None if shard is None else lambda: shard.average_gradients(model)
         losses = []
         for _ in range(steps):
-            self.optimizer.zero_grad(set_to_none=True)
             batch = self.stream.next_batch()
-            losses.append(accumulate_gradients(
-                runtime, batch if shard is None else shard.rows(batch), micro_batch_size))
-            if shard is not None:
-                shard.average_gradients(model)
-            if self._inner.clip is not None:
-                nn.utils.clip_grad_norm_(model.parameters(), self._inner.clip)
-            self.optimizer.step()
-            self.schedule.step()
+            losses.append(inner_step(runtime, self.optimizer, self.schedule,
+                                     [batch if shard is None else shard.rows(batch)],
+                                     micro_batch_size, self._inner.clip, average))
         with torch.no_grad():
             delta = {name: global_params[name] - p.detach().float()
                      for name, p in model.named_parameters()}
