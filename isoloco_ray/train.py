@@ -19,7 +19,8 @@ from typing import Any
 
 from isoloco_ray import strict_json
 from isoloco_ray.config import ConfigError, TrainConfig, config_differences, load_config
-from isoloco_ray.data.format import DataError, DatasetMeta, split_files
+from isoloco_ray.data.checks import validated_data_dir
+from isoloco_ray.data.format import DataError, split_files
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
 
 # Ray's defaults print dozens of lines per run on a laptop; these keep the console to our
@@ -32,31 +33,6 @@ QUIET_RAY_ENV = {
     # raylet prints a warning per burst that says nothing actionable here.
     "RAY_worker_maximum_startup_concurrency": "8",
 }
-
-
-def resolve_data_dir(cfg: TrainConfig) -> Path:
-    """The prepared data directory: `data.path`, or the demo corpus (prepared on first use)."""
-    if cfg.data.path is None:
-        from isoloco_ray.data.prepare import ensure_demo_data
-
-        return ensure_demo_data()
-    path = cfg.data.path.expanduser().resolve()
-    if not (path / "meta.json").is_file():
-        raise ConfigError(
-            f"data.path: {path} is not a prepared data directory (no meta.json); create one "
-            "with `python -m isoloco_ray.data.prepare`, or leave data.path unset for the demo")
-    return path
-
-
-def check_against_data(cfg: TrainConfig, meta: DatasetMeta, data_dir: Path) -> None:
-    """Everything about the config that depends on the data (data/checks.py); raises
-    ConfigError, or DataError for a broken dataset."""
-    from isoloco_ray.data.checks import check_training_data
-
-    check_training_data(
-        data_dir, meta, model_vocab_size=cfg.model.vocab_size, seq_len=cfg.data.seq_len,
-        replicas=cfg.scaling.replicas, rounds=cfg.run.rounds,
-        sequences_per_replica=cfg.run.rounds * cfg.inner.steps * cfg.data.batch_size)
 
 
 def check_writable(storage: Path, field: str = "run.storage_path") -> None:
@@ -99,8 +75,10 @@ def start_ray(cfg: TrainConfig) -> None:
                 f"{cfg.scaling.num_workers} workers x scaling.cpus_per_worker "
                 f"({cfg.scaling.cpus_per_worker}); raise run.num_cpus to at least "
                 f"{math.ceil(workers_need + 1)}")
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 logging_level="ERROR")
+        # Loopback only, token auth on (local_ray.py): nobody else on the network can use it.
+        from isoloco_ray.local_ray import start_local_cluster
+
+        start_local_cluster(num_cpus)
         return
     available = ray.cluster_resources().get("CPU", 0)
     if not os.environ.get("RAY_ADDRESS") and workers_need + 1 > available:
@@ -214,13 +192,6 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
     return result.return_value
 
 
-def validated_data_dir(cfg: TrainConfig) -> Path:
-    """The data directory of `cfg`, checked against the config; raises ConfigError/DataError."""
-    data_dir = resolve_data_dir(cfg)
-    check_against_data(cfg, DatasetMeta.load(data_dir), data_dir)
-    return data_dir
-
-
 def write_summary(cfg: TrainConfig, final: dict[str, Any], data_dir: Path, run_dir: Path,
                   seconds: float) -> dict[str, Any]:
     """Write `run_dir/summary.json` for a finished run and return its contents."""
@@ -296,9 +267,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"(run.max_failures): {exc}\nIts checkpoints are kept: run the same command "
                   "again to resume from the latest one.", file=sys.stderr)
             return 1
+        if "resume_warning" in final:  # a damaged checkpoint was skipped; said here, as the
+            print(final["resume_warning"], file=sys.stderr)  # workers' stderr is not shown
         if "error" in final:
-            print(f"error: the run stopped after round {final['rounds']}: {final['error']}",
-                  file=sys.stderr)
+            after = f" after round {final['rounds']}" if final.get("rounds") else ""
+            print(f"error: the run stopped{after}: {final['error']}", file=sys.stderr)
             return 1
         summary = write_summary(cfg, final, data_dir, run_dir, time.perf_counter() - started)
         wandb_run.finish(summary)

@@ -46,12 +46,14 @@ def small_dataset(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster for the whole session, more logical CPUs than cores."""
+    """One local Ray cluster for the whole session, more logical CPUs than cores, started the
+    way train.py starts one (loopback only, token auth)."""
     import ray
     import ray.data
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-             object_store_memory=512 * 1024**2)
+    from isoloco_ray.local_ray import start_local_cluster
+
+    start_local_cluster(4, object_store_memory=512 * 1024**2)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()
