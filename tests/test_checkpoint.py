@@ -46,7 +46,7 @@ def test_checkpoint_holds_every_replica_and_loads_without_pickle(small_dataset, 
     directory = tmp_path / "round_000002"
     assert sorted(p.name for p in directory.iterdir()) == [
         "global.safetensors", "outer_0000.safetensors", "replica_0000.pt", "replica_0001.pt",
-        "rng.safetensors", "state.json"]
+        "state.json"]
     params, outer_state, state = checkpoint.load_shared(directory)
     assert state["round"] == 2 and outer_state["step"] == 2
     assert set(outer_state["buffers"]) == set(params)  # diloco keeps a momentum buffer each
@@ -200,23 +200,24 @@ def test_intact_checkpoints_have_no_problems(checkpoints):
     (lambda d: truncate(d / "global.safetensors"), "global.safetensors",
      "not a complete safetensors file (Error while deserializing header: incomplete metadata, "
      "file not fully covered)"),
-    (lambda d: (d / "state.json").write_text("{\"format\": 1, \"round\": 2,"), "state.json",
+    (lambda d: (d / "state.json").write_text("{\"format\": 2, \"round\": 2,"), "state.json",
      "not valid JSON (Expecting property name enclosed in double quotes"),
-    (lambda d: (d / "state.json").write_text('{"format": 1, "round": "two"}'), "state.json",
-     "lacks or garbles round, config.scaling.replicas, outer.step, outer.momentum, "
-     "rng.python, rng.numpy"),
+    (lambda d: (d / "state.json").write_text('{"format": 2, "round": "two"}'), "state.json",
+     "lacks or garbles round, initial_eval_loss, last_eval_loss, train_seconds, "
+     "first_round_seconds, bytes_total, bad_rounds, config.scaling.replicas, outer.step, "
+     "outer.momentum"),
+    (lambda d: (d / "state.json").write_text('{"format": 1, "round": 2}'), "state.json",
+     "has format 1, this version reads 2"),
     (lambda d: (d / "replica_0001.pt").write_bytes(b"not a torch file" * 64), "replica_0001.pt",
      "not a complete torch.save file"),
     (lambda d: truncate(d / "replica_0000.pt"), "replica_0000.pt",
      "not a complete torch.save file"),
     (lambda d: (d / "replica_0001.pt").unlink(), "replica_0001.pt", "missing"),
     (lambda d: (d / "outer_0000.safetensors").unlink(), "outer_0000.safetensors", "missing"),
-    (lambda d: truncate(d / "rng.safetensors"), "rng.safetensors",
-     "not a complete safetensors file"),
     (lambda d: drop_a_momentum_buffer(d / "outer_0000.safetensors"), "",
      "no outer*.safetensors file holds the outer momentum of 1 parameters"),
-], ids=["truncated-global", "junk-state", "state-without-keys", "garbage-pt", "truncated-pt",
-        "missing-replica", "missing-outer", "truncated-rng", "momentum-missing"])
+], ids=["truncated-global", "junk-state", "state-without-keys", "older-format", "garbage-pt",
+        "truncated-pt", "missing-replica", "missing-outer", "momentum-missing"])
 def test_damaged_checkpoint_is_reported_by_file(checkpoints, damage, bad_file, what):
     directory = checkpoints / "round_000002"
     damage(directory)
@@ -313,3 +314,18 @@ def test_ray_resume_skips_a_damaged_checkpoint_and_stops_when_none_is_intact(
     assert f"resuming from the older checkpoint {older} (round 2) instead" in \
         resumed["resume_warning"]
     assert resumed["model_sha256"] == whole["model_sha256"]
+
+
+def test_restore_sets_only_the_typed_counters(tmp_path):
+    state = {"round": 3, "initial_eval_loss": 6, "last_eval_loss": None, "train_seconds": 1.5,
+             "first_round_seconds": 0.5, "bytes_total": 10, "bad_rounds": 0,
+             "config": {}, "injected": "__class__"}
+    counters = checkpoint.read_counters(state, tmp_path / "state.json")
+    assert counters == {"round": 3, "initial_eval_loss": 6.0, "last_eval_loss": None,
+                        "train_seconds": 1.5, "first_round_seconds": 0.5, "bytes_total": 10,
+                        "bad_rounds": 0}
+    assert type(counters["initial_eval_loss"]) is float
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"state.json: lacks or garbles round, bytes_total$"):
+        checkpoint.read_counters({**state, "round": 2.5, "bytes_total": -1},
+                                 tmp_path / "state.json")

@@ -2,15 +2,19 @@
 
 A checkpoint is one directory, written by every worker (Ray Train merges the workers' files):
 
-    state.json                 round, counters, the config, RNG states (rank 0)
+    state.json                 round, counters, the config (rank 0)
     global.safetensors         θ_t, the global parameters (rank 0)
     outer_NNNN.safetensors     outer momentum buffers, if any, by the outer-group rank NNNN
                                that holds them (DESIGN.md: the owner of each tensor)
-    rng.safetensors            torch's CPU RNG state (rank 0)
     replica_NNNN.pt            replica NNNN's AdamW state, LR schedule and stream position
                                (its host; loaded with torch.load(weights_only=True))
 
 Loading needs every file: a directory missing one is reported, never half-restored.
+
+No random-number state is saved because nothing in a run draws from a global generator: the
+model is initialised from `run.seed` in a forked RNG, the data order is fixed, the model has no
+dropout, and random pruning draws from generators keyed by (seed, round, replica, tensor). A
+resumed run is therefore the same run on every rank, whatever its layout.
 
 Before a resume every worker checks the whole checkpoint, every file (`checkpoint_problems`),
 so all of them reach the same verdict from the same shared files; a damaged newest checkpoint
@@ -23,23 +27,20 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
-import random
 import re
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-FORMAT = 1
+FORMAT = 2  # 2: no RNG state (format 1 held one that nothing used)
 STATE_FILE = "state.json"
 GLOBAL_FILE = "global.safetensors"
 OUTER_PATTERN = "outer*.safetensors"
-RNG_FILE = "rng.safetensors"
 REPLICA_KEYS = ("optimizer", "schedule", "stream")  # what a replica file's dict holds
 # Ray Train V2 keeps a run's checkpoints as <run dir>/checkpoint_<%Y-%m-%d_%H-%M-%S.%f>
 # (listed in its checkpoint_manager_snapshot.json): their names sort in the order written.
@@ -49,6 +50,41 @@ RAY_CHECKPOINT_GLOB = "checkpoint_*"
 class CheckpointError(ValueError):
     """A checkpoint the run cannot resume from (damaged, or written with other settings); the
     message names the files and what to do."""
+
+
+# The Trainer's counters that state.json records beside the config and the outer optimizer:
+# name -> (type, whether None is allowed). Saved from and restored into these attributes only.
+COUNTERS: dict[str, tuple[type, bool]] = {
+    "round": (int, False),
+    "initial_eval_loss": (float, True),
+    "last_eval_loss": (float, True),
+    "train_seconds": (float, False),
+    "first_round_seconds": (float, False),
+    "bytes_total": (int, False),
+    "bad_rounds": (int, False),
+}
+
+
+def read_counters(state: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """The COUNTERS of a loaded state.json, each of its type; CheckpointError naming `path`
+    and the counters that are missing or of another type."""
+    wrong = _garbled_counters(state)
+    if wrong:
+        raise CheckpointError(f"{path}: lacks or garbles {', '.join(wrong)}")
+    return {name: None if state[name] is None else kind(state[name])
+            for name, (kind, _) in COUNTERS.items()}
+
+
+def _garbled_counters(state: Mapping[str, Any]) -> list[str]:
+    """The COUNTERS that `state` lacks or holds as another type (or negative)."""
+    def good(name: str, kind: type, optional: bool) -> bool:
+        value = state.get(name)
+        if value is None:
+            return optional and name in state
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return number and (kind is float or isinstance(value, int)) and value >= 0
+
+    return [name for name, (kind, optional) in COUNTERS.items() if not good(name, kind, optional)]
 
 
 def replica_file(replica: int) -> str:
@@ -67,24 +103,6 @@ def parameters_sha256(params: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Python's and numpy's RNG states as JSON, torch's as a tensor."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    as_json = {"python": [version, list(internal), gauss],
-               "numpy": [kind, keys.tolist(), pos, has_gauss, cached]}
-    return as_json, {"torch": torch.get_rng_state()}
-
-
-def set_rng_state(as_json: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
-    """Restore what `rng_state` returned."""
-    version, internal, gauss = as_json["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = as_json["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(tensors["torch"])
-
-
 def outer_file(shard: int) -> str:
     """File name of the outer momentum buffers one outer-group rank holds."""
     return f"outer_{shard:04d}.safetensors"
@@ -92,14 +110,12 @@ def outer_file(shard: int) -> str:
 
 def save_shared(directory: Path, global_params: Mapping[str, torch.Tensor],
                 outer_state: Mapping[str, Any], state: Mapping[str, Any]) -> None:
-    """Rank 0's part: global parameters, outer optimizer settings and step, counters and RNG
-    states (the momentum buffers go through `save_outer_momentum`)."""
+    """Rank 0's part: global parameters, outer optimizer settings and step, and counters (the
+    momentum buffers go through `save_outer_momentum`)."""
     save_file({k: v.contiguous() for k, v in global_params.items()}, directory / GLOBAL_FILE)
-    rng_json, rng_tensors = rng_state()
-    save_file(rng_tensors, directory / RNG_FILE)
     outer_scalars = {k: v for k, v in outer_state.items() if k != "buffers"}
     (directory / STATE_FILE).write_text(json.dumps(
-        {"format": FORMAT, **state, "outer": outer_scalars, "rng": rng_json}, indent=1))
+        {"format": FORMAT, **state, "outer": outer_scalars}, indent=1))
 
 
 def save_outer_momentum(directory: Path, shard: int, buffers: Mapping[str, torch.Tensor]
@@ -115,16 +131,15 @@ def save_replica(directory: Path, replica: int, replica_state: Mapping[str, Any]
 
 def load_shared(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any],
                                           dict[str, Any]]:
-    """(global params, outer optimizer state, state.json) of a checkpoint; RNG states restored.
-    The outer state's "buffers" are every momentum file's together."""
-    missing = [f for f in (STATE_FILE, GLOBAL_FILE, RNG_FILE) if not (directory / f).is_file()]
+    """(global params, outer optimizer state, state.json) of a checkpoint. The outer state's
+    "buffers" are every momentum file's together."""
+    missing = [f for f in (STATE_FILE, GLOBAL_FILE) if not (directory / f).is_file()]
     if missing:
         raise FileNotFoundError(f"checkpoint {directory} is incomplete: missing {missing}")
     state = json.loads((directory / STATE_FILE).read_text())
     if state.get("format") != FORMAT:
         raise ValueError(f"checkpoint {directory} has format {state.get('format')}, "
                          f"this version reads {FORMAT}")
-    set_rng_state(state.pop("rng"), load_file(directory / RNG_FILE))
     buffers: dict[str, torch.Tensor] = {}
     for path in sorted(directory.glob(OUTER_PATTERN)):
         buffers.update(load_file(path))
@@ -160,9 +175,6 @@ def checkpoint_problems(directory: Path) -> list[str]:
     problems: list[str] = []
     state = _read_state(directory / STATE_FILE, problems)
     global_names = _safetensors_names(directory / GLOBAL_FILE, problems)
-    rng_names = _safetensors_names(directory / RNG_FILE, problems)
-    if rng_names is not None and "torch" not in rng_names:
-        problems.append(f"{directory / RNG_FILE}: holds no torch RNG state")
     outer_paths = sorted({directory / outer_file(0), *directory.glob(OUTER_PATTERN)})
     buffer_names: set[str] | None = set()
     for path in outer_paths:
@@ -265,17 +277,14 @@ def _read_state(path: Path, problems: list[str]) -> dict[str, Any] | None:
         problems.append(f"{path}: has format {state.get('format')!r}, this version reads "
                         f"{FORMAT}")
         return None
-    config, outer, rng = state.get("config"), state.get("outer"), state.get("rng")
+    config, outer = state.get("config"), state.get("outer")
     scaling = config.get("scaling") if isinstance(config, dict) else None
-    wrong = [key for key, good in (
-        ("round", _is_count(state.get("round"))),
+    wrong = _garbled_counters(state) + [key for key, good in (
         ("config.scaling.replicas", isinstance(scaling, dict)
          and _is_count(scaling.get("replicas")) and scaling["replicas"] > 0),
         ("outer.step", isinstance(outer, dict) and _is_count(outer.get("step"))),
         ("outer.momentum", isinstance(outer, dict)
          and isinstance(outer.get("momentum"), (int, float))),
-        ("rng.python", isinstance(rng, dict) and isinstance(rng.get("python"), list)),
-        ("rng.numpy", isinstance(rng, dict) and isinstance(rng.get("numpy"), list)),
     ) if not good]
     if wrong:
         problems.append(f"{path}: lacks or garbles {', '.join(wrong)}")

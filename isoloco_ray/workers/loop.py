@@ -107,9 +107,7 @@ class Trainer:
     def save(self, directory: Path) -> None:
         """Write this rank's part of a checkpoint of the state after `self.round` rounds."""
         if self.env.rank == 0:
-            counters = {key: getattr(self, key) for key in (
-                "round", "initial_eval_loss", "last_eval_loss", "train_seconds",
-                "first_round_seconds", "bytes_total", "bad_rounds")}
+            counters = {name: getattr(self, name) for name in checkpoint.COUNTERS}
             checkpoint.save_shared(directory, self.global_params, self.outer.state_dict(),
                                    {**counters, "config": self.cfg.model_dump(mode="json")})
         if not self.layout.saves_replicas:
@@ -138,8 +136,9 @@ class Trainer:
         self.global_params = {name: params[name].to(self.env.device)
                               for name in self.global_params}
         self.outer.load_state_dict(outer_state, {n: p.shape for n, p in params.items()})
-        for key, value in state.items():
-            setattr(self, key, value)
+        for name, value in checkpoint.read_counters(state, directory / checkpoint.STATE_FILE
+                                                    ).items():
+            setattr(self, name, value)
         for replica in self.replicas:
             replica.load_state_dict(checkpoint.load_replica(directory, replica.index))
 

@@ -24,6 +24,7 @@ def llama_config(model: ModelConfig, vocab_size: int) -> LlamaConfig:
         max_position_embeddings=model.max_seq_len,
         tie_word_embeddings=False,
         use_cache=False,
+        attention_dropout=0.0,  # nothing random in training: checkpoints hold no RNG state
     )
 
 
