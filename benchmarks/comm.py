@@ -34,28 +34,21 @@ time and shared by the placements.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from merge import MODELS, make_deltas, model_tensors  # benchmarks/merge.py, beside this file
 
-from gloo_group import in_gloo_group  # noqa: E402
-from merge import MODELS, make_deltas, model_tensors  # noqa: E402
-
-from isoloco_ray.config import OuterConfig, load_config  # noqa: E402
-from isoloco_ray.strategies import STRATEGIES as STRATEGY_SPECS  # noqa: E402
-from isoloco_ray.strategies import OuterMerge  # noqa: E402
-from isoloco_ray.workers import outer_sync  # noqa: E402
-from isoloco_ray.workers.outer_plan import OuterPlan  # noqa: E402
-from isoloco_ray.workers.transport import Contributions  # noqa: E402
+from isoloco_ray.config import OuterConfig, load_config
+from isoloco_ray.strategies import STRATEGIES as STRATEGY_SPECS
+from isoloco_ray.strategies import OuterMerge
+from isoloco_ray.workers import outer_sync
+from isoloco_ray.workers.local import in_gloo_group
+from isoloco_ray.workers.outer_plan import OuterPlan
+from isoloco_ray.workers.transport import Contributions
 
 OuterSync = outer_sync.OuterSync
 T = TypeVar("T")

@@ -21,25 +21,6 @@ import time
 from pathlib import Path
 
 TRAINING_TOKENS_PER_S = {"demo (2.9M, 2 CPU cores)": 5.6e3, "178M (1 H100, 40% MFU)": 3.7e5}
-WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at "
-         "which but have an they you were her she there been one all we their has would when if "
-         "river stone light house garden winter letter morning window silver").split()
-
-
-def synthetic_documents(tokens: int, seed: int = 0):  # type: ignore[no-untyped-def]
-    """Documents of ~200 words until about ``tokens`` words (~tokens for this BPE), generated
-    on the fly so the corpus itself never sits in memory."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    words = np.array(WORDS)
-    made = 0
-    while made < tokens:
-        n = int(rng.integers(50, 350))
-        yield " ".join(words[rng.integers(0, len(words), n)]) + "."
-        made += n + 1
-
-
 def _peak_rss_mb() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -49,8 +30,9 @@ def _peak_rss_mb() -> float:
 def child_prepare(tokens: int, workers: int, out: str) -> dict:
     from isoloco_ray.data import prepare
     from isoloco_ray.data.sources import TextSource
+    from isoloco_ray.testing import streamed_documents
 
-    source = TextSource(f"synthetic {tokens}", lambda: synthetic_documents(tokens))
+    source = TextSource(f"synthetic {tokens}", lambda: streamed_documents(tokens))
     settings = prepare.CorpusSettings(source=source.name, tokenizer="train-bpe:4096",
                                       block_len=2048, shard_blocks=(1 << 22) // 2048,
                                       bpe_chars=5_000_000)

@@ -12,7 +12,6 @@ strategy's last round: inner seconds, merge seconds, tokens/s.
 from __future__ import annotations
 
 import argparse
-import random
 import shutil
 import tempfile
 import time
@@ -20,13 +19,9 @@ from pathlib import Path
 
 
 from isoloco_ray.config import ModelConfig, TrainConfig
+from isoloco_ray.testing import synthetic_documents
 from isoloco_ray.workers.local import local_env
 from isoloco_ray.workers.loop import Trainer
-
-WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from "
-         "at which but have an they you were her she there been one all we their has would "
-         "river stone light house garden winter letter morning window silver").split()
-
 
 def synthetic_data(out: Path, documents: int, block_len: int) -> Path:
     """A prepared dataset of generated sentences in `out` (reused when already there)."""
@@ -34,10 +29,7 @@ def synthetic_data(out: Path, documents: int, block_len: int) -> Path:
 
     if (out / "meta.json").is_file():
         return out
-    rng = random.Random(0)
-    texts = [" ".join(" ".join(rng.choices(WORDS, k=rng.randint(4, 14))).capitalize() + "."
-                      for _ in range(rng.randint(3, 12))) for _ in range(documents)]
-    prepare_dataset(texts, out, vocab_size=2048, block_len=block_len, shard_blocks=32,
+    prepare_dataset(synthetic_documents(documents, seed=0), out, vocab_size=2048, block_len=block_len, shard_blocks=32,
                     valid_fraction=0.02, test_fraction=0.01, source_name="gpu_round synthetic")
     return out
 

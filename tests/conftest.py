@@ -3,33 +3,16 @@
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 
-# Ray reads these when it starts; quiet and fast for tests (RAY_NOTES.md, "fast-test pattern").
+from isoloco_ray.testing import synthetic_documents
+
+# Ray reads these when it starts; quiet and fast for tests (docs/design.md, "Ray specifics").
 os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION", "0")
-
-WORDS = ("the of and to in a is that for it as was with be by on not he this are or his "
-         "from at which but have an they you were her she there been one all we their has "
-         "would when if so no what up out said who will more some into time could them "
-         "river stone light house garden winter letter morning window silver").split()
-
-
-def synthetic_documents(count: int, seed: int = 0) -> list[str]:
-    """Sentence-like text from a fixed vocabulary, different for every seed."""
-    rng = random.Random(seed)
-    documents = []
-    for _ in range(count):
-        sentences = []
-        for _ in range(rng.randint(3, 12)):
-            words = rng.choices(WORDS, k=rng.randint(4, 14))
-            sentences.append(" ".join(words).capitalize() + ".")
-        documents.append(" ".join(sentences))
-    return documents
 
 
 @pytest.fixture(scope="session")
@@ -68,3 +51,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fails the test if the train or tune CLI gets as far as starting Ray."""
+    from isoloco_ray import train, tune
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(train, "start_ray", refuse)
+    monkeypatch.setattr(tune, "start_cluster", refuse)

@@ -93,14 +93,6 @@ def test_config_errors_name_the_field(args, message):
     assert message in str(err.value)
 
 
-@pytest.fixture
-def no_ray(monkeypatch):
-    """Fails the test if the CLI gets as far as starting Ray."""
-    def refuse(cfg):
-        raise AssertionError("Ray was started for an invalid configuration")
-    monkeypatch.setattr(train, "start_ray", refuse)
-
-
 def test_cli_error_exits_2_without_traceback_or_ray(capsys, no_ray):
     status = train.main(["--scaling.replicas=3"])
     err = capsys.readouterr().err

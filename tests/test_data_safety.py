@@ -36,7 +36,7 @@ from isoloco_ray.data.stream import (
     ReplicaStream, pyarrow_reader, ray_data_reader, replica_datasets, replica_files,
 )
 
-from conftest import synthetic_documents
+from isoloco_ray.testing import synthetic_documents
 
 REPO = Path(__file__).resolve().parents[1]
 # A small recipe for the CLI: BPE of 300 tokens, blocks of 32, 8 blocks a shard.

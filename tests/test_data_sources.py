@@ -17,7 +17,7 @@ import pytest
 from isoloco_ray.data import prepare, sources
 from isoloco_ray.data.format import SPLITS, DataError, DatasetMeta, read_blocks, split_files, verify
 
-from conftest import synthetic_documents
+from isoloco_ray.testing import synthetic_documents
 
 DOCS = synthetic_documents(240, seed=4)
 SETTINGS = dict(tokenizer="train-bpe:300", block_len=32, shard_blocks=8, seed=1,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_tune import TUNE_CONFIGS, no_ray, write_grid  # noqa: F401 (no_ray: a fixture)
+from test_tune import TUNE_CONFIGS, write_grid
 
 from isoloco_ray import tune
 from isoloco_ray.config import check_name

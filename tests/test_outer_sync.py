@@ -10,7 +10,7 @@ import zlib
 import pytest
 import torch
 
-from gloo_group import in_gloo_group
+from isoloco_ray.workers.local import in_gloo_group
 from isoloco_ray.config import MODEL_PRESETS, load_config
 from isoloco_ray.workers.outer_plan import OuterPlan, assign_owners, merge_cost
 from isoloco_ray.workers.outer_sync import OuterSync

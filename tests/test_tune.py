@@ -32,15 +32,6 @@ def write_grid(tmp_path: Path, data_dir: Path, **sections) -> Path:
     return path
 
 
-@pytest.fixture
-def no_ray(monkeypatch):
-    """Fails the test if the tune CLI gets as far as starting Ray."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("Ray was started")
-    monkeypatch.setattr(tune, "start_cluster", refuse)
-    monkeypatch.setattr(train, "start_ray", refuse)
-
-
 def test_dry_run_crosses_trials_with_the_grid(tmp_path, small_dataset, capsys, no_ray):
     path = write_grid(tmp_path, small_dataset, name="sweep",
                       grid={"inner.lr": [1e-3, 2e-3]},

@@ -7,16 +7,15 @@ reference.
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_file
 
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import split_files
@@ -56,20 +55,37 @@ def local_env(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1,
     )
 
 
-def _worker(rank: int, world: int, config: dict[str, Any], data_dir: str, scratch: str,
-            threads: int) -> None:
+def _run_in_group(rank: int, world: int, scratch: str, threads: int, fn: Callable[..., Any],
+                  args: tuple) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{scratch}/rendezvous", rank=rank,
                             world_size=world)
     try:
-        cfg = TrainConfig.model_validate(config)
-        trainer = Trainer(cfg, Path(data_dir), local_env(cfg, Path(data_dir), rank, world))
-        summary = trainer.run()
-        if rank == 0:
-            save_file(trainer.global_params, f"{scratch}/params.safetensors")
-            Path(scratch, "summary.json").write_text(json.dumps(summary))
+        torch.save(fn(rank, world, *args), f"{scratch}/result_{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def in_gloo_group(fn: Callable[..., Any], world: int, *args: Any, threads: int = 1
+                  ) -> list[Any]:
+    """fn(rank, world, *args) on `world` spawned processes joined in one gloo group, each with
+    `threads` intra-op threads; every rank's return value (tensors and plain values), in rank
+    order. `fn` must be a module-level function (spawn pickles it by name)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        mp.start_processes(_run_in_group, nprocs=world, start_method="spawn", join=True,
+                           args=(world, scratch, threads, fn, args))
+        # Written just now by our own processes into a private temporary directory.
+        return [torch.load(Path(scratch, f"result_{rank}.pt"), weights_only=False)
+                for rank in range(world)]
+
+
+def _train_rank(rank: int, world: int, config: dict[str, Any], data_dir: str
+                ) -> tuple[Metrics, dict[str, torch.Tensor]] | None:
+    """One gloo rank of `run_local`: rank 0's summary and final global parameters."""
+    cfg = TrainConfig.model_validate(config)
+    trainer = Trainer(cfg, Path(data_dir), local_env(cfg, Path(data_dir), rank, world))
+    summary = trainer.run()
+    return (summary, trainer.global_params) if rank == 0 else None
 
 
 def run_local(cfg: TrainConfig, data_dir: Path, threads_per_worker: int = 1, **env_options: Any
@@ -89,9 +105,6 @@ def run_local(cfg: TrainConfig, data_dir: Path, threads_per_worker: int = 1, **e
             torch.set_num_threads(threads)
     if env_options:
         raise ValueError(f"{sorted(env_options)} are supported with one worker only")
-    with tempfile.TemporaryDirectory() as scratch:
-        mp.start_processes(_worker, nprocs=world, start_method="spawn", join=True,
-                           args=(world, cfg.model_dump(mode="json"), str(data_dir), scratch,
-                                 threads_per_worker))
-        summary = json.loads(Path(scratch, "summary.json").read_text())
-        return summary, load_file(f"{scratch}/params.safetensors")
+    results = in_gloo_group(_train_rank, world, cfg.model_dump(mode="json"), str(data_dir),
+                            threads=threads_per_worker)
+    return results[0]
