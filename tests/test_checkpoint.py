@@ -21,7 +21,7 @@ RUN = ["--model.preset=tiny", "--scaling.replicas=2", "--scaling.replicas_per_wo
        "--data.batch_size=4", "--run.eval_tokens=512", "--run.eval_every=2"]
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "dare", "tsv"])
+@pytest.mark.parametrize("strategy", ["diloco", "dare", "tsv", "adamw_ddp"])
 def test_interrupted_and_resumed_run_is_bit_identical(small_dataset, tmp_path, strategy):
     cfg = load_config(RUN + [f"--outer.strategy={strategy}"])
     whole, whole_params = run_local(cfg, small_dataset)
@@ -329,3 +329,15 @@ def test_restore_sets_only_the_typed_counters(tmp_path):
                        match=r"state.json: lacks or garbles round, bytes_total$"):
         checkpoint.read_counters({**state, "round": 2.5, "bytes_total": -1},
                                  tmp_path / "state.json")
+
+
+def test_adamw_ddp_checkpoints_its_one_optimizer_and_needs_it(small_dataset, tmp_path):
+    cfg = load_config(RUN + ["--run.rounds=2", "--outer.strategy=adamw_ddp"])
+    run_local(cfg, small_dataset, checkpoints=tmp_path)
+    directory = tmp_path / "round_000002"
+    saved = checkpoint.load_data_parallel(directory)
+    assert saved["schedule"]["last_epoch"] == 2 * 2 and saved["optimizer"]["state"]
+    assert checkpoint.checkpoint_problems(directory) == []
+    (directory / "data_parallel.pt").unlink()
+    assert checkpoint.checkpoint_problems(directory) == [
+        f"{directory / 'data_parallel.pt'}: missing"]

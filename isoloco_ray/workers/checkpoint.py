@@ -8,6 +8,7 @@ A checkpoint is one directory, written by every worker (Ray Train merges the wor
                                that holds them (DESIGN.md: the owner of each tensor)
     replica_NNNN.pt            replica NNNN's AdamW state, LR schedule and stream position
                                (its host; loaded with torch.load(weights_only=True))
+    data_parallel.pt           adamw_ddp only: its one AdamW state and LR schedule (rank 0)
 
 Loading needs every file: a directory missing one is reported, never half-restored.
 
@@ -42,6 +43,8 @@ STATE_FILE = "state.json"
 GLOBAL_FILE = "global.safetensors"
 OUTER_PATTERN = "outer*.safetensors"
 REPLICA_KEYS = ("optimizer", "schedule", "stream")  # what a replica file's dict holds
+DATA_PARALLEL_FILE = "data_parallel.pt"  # adamw_ddp's optimizer, beside the replicas' streams
+DATA_PARALLEL_KEYS = ("optimizer", "schedule")
 # Ray Train V2 keeps a run's checkpoints as <run dir>/checkpoint_<%Y-%m-%d_%H-%M-%S.%f>
 # (listed in its checkpoint_manager_snapshot.json): their names sort in the order written.
 RAY_CHECKPOINT_GLOB = "checkpoint_*"
@@ -129,6 +132,11 @@ def save_replica(directory: Path, replica: int, replica_state: Mapping[str, Any]
     torch.save(dict(replica_state), directory / replica_file(replica))
 
 
+def save_data_parallel(directory: Path, optimizer_state: Mapping[str, Any]) -> None:
+    """adamw_ddp's optimizer and schedule (the same on every rank: rank 0 saves them)."""
+    torch.save(dict(optimizer_state), directory / DATA_PARALLEL_FILE)
+
+
 def load_shared(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any],
                                           dict[str, Any]]:
     """(global params, outer optimizer state, state.json) of a checkpoint. The outer state's
@@ -149,7 +157,16 @@ def load_shared(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
 
 def load_replica(directory: Path, replica: int) -> dict[str, Any]:
     """One replica's saved state, loaded without unpickling arbitrary objects."""
-    path = directory / replica_file(replica)
+    return _load_torch_state(directory, replica_file(replica))
+
+
+def load_data_parallel(directory: Path) -> dict[str, Any]:
+    """adamw_ddp's saved optimizer and schedule, loaded without unpickling arbitrary objects."""
+    return _load_torch_state(directory, DATA_PARALLEL_FILE)
+
+
+def _load_torch_state(directory: Path, name: str) -> dict[str, Any]:
+    path = directory / name
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {directory} is incomplete: missing {path.name}")
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -189,7 +206,10 @@ def checkpoint_problems(directory: Path) -> list[str]:
     else:  # the replica count is unknown: check the replica files there are
         replica_paths = sorted(directory.glob("replica_*.pt"))
     for path in replica_paths:
-        _check_replica(path, problems)
+        _check_torch_state(path, REPLICA_KEYS, "a replica state", problems)
+    if state is not None and state["config"].get("outer", {}).get("strategy") == "adamw_ddp":
+        _check_torch_state(directory / DATA_PARALLEL_FILE, DATA_PARALLEL_KEYS,
+                           "the data-parallel optimizer", problems)
     outer = state["outer"] if state is not None else None
     if (outer is not None and outer["momentum"] > 0 and outer["step"] > 0
             and global_names is not None and buffer_names is not None):
@@ -308,9 +328,10 @@ def _safetensors_names(path: Path, problems: list[str]) -> set[str] | None:
     return None
 
 
-def _check_replica(path: Path, problems: list[str]) -> None:
-    """Record the problem, if any, of a replica file: it must be a torch.save zip file that
-    loads with weights_only=True (never unpickling anything else) into the expected dict."""
+def _check_torch_state(path: Path, keys: Sequence[str], what: str, problems: list[str]
+                       ) -> None:
+    """Record the problem, if any, of a .pt state file: it must be a torch.save zip file that
+    loads with weights_only=True (never unpickling anything else) into a dict of `keys`."""
     if not path.is_file():
         problems.append(f"{path}: missing")
         return
@@ -331,8 +352,8 @@ def _check_replica(path: Path, problems: list[str]) -> None:
     except Exception as exc:  # whatever else a damaged zip or pickle raises
         problems.append(f"{path}: does not load ({_first_line(exc)})")
         return
-    if not isinstance(replica, dict) or not set(REPLICA_KEYS) <= set(replica):
-        problems.append(f"{path}: not a replica state (a dict of {', '.join(REPLICA_KEYS)})")
+    if not isinstance(replica, dict) or not set(keys) <= set(replica):
+        problems.append(f"{path}: not {what} (a dict of {', '.join(keys)})")
 
 
 def _is_count(value: Any) -> bool:

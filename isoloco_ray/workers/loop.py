@@ -33,7 +33,7 @@ from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
 from isoloco_ray.workers.outer_sync import OuterStepStats, OuterSync
 from isoloco_ray.workers.replica import (Replica, inner_step, load_parameters,
-                                         snapshot_parameters)
+                                         make_inner_optimizer, snapshot_parameters)
 
 Metrics = dict[str, Any]
 
@@ -65,6 +65,9 @@ class Trainer:
     global_params: dict[str, torch.Tensor]  # θ_t, identical on every worker
     replicas: list[Replica]  # the replicas this worker hosts (their AdamW, schedule, stream)
     outer: OuterSync  # outer optimizer (the momentum buffers of the tensors this rank owns)
+    # adamw_ddp: its one AdamW and LR schedule over the global model, alike on every rank (the
+    # replicas then only supply batches); None for the DiLoCo strategies.
+    data_parallel: tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR] | None
     round: int  # outer rounds completed
     initial_eval_loss: float | None
     last_eval_loss: float | None
@@ -92,6 +95,8 @@ class Trainer:
         ]
         self.outer = OuterSync(cfg.outer, cfg.scaling.replicas, cfg.run.seed,
                                self.layout.outer_group)
+        self.data_parallel = (make_inner_optimizer(self.model, cfg.inner, total_steps, fused)
+                              if cfg.outer.strategy == "adamw_ddp" else None)
         self.round = 0
         self.initial_eval_loss = self.last_eval_loss = None
         self.train_seconds = self.first_round_seconds = 0.0
@@ -110,6 +115,10 @@ class Trainer:
             counters = {name: getattr(self, name) for name in checkpoint.COUNTERS}
             checkpoint.save_shared(directory, self.global_params, self.outer.state_dict(),
                                    {**counters, "config": self.cfg.model_dump(mode="json")})
+            if self.data_parallel is not None:
+                optimizer, schedule = self.data_parallel
+                checkpoint.save_data_parallel(directory, {"optimizer": optimizer.state_dict(),
+                                                          "schedule": schedule.state_dict()})
         if not self.layout.saves_replicas:
             return  # the replica's first worker saves what all its workers hold alike
         if self.outer.rank == 0 or not self.outer.everyone_merges:
@@ -141,6 +150,11 @@ class Trainer:
             setattr(self, name, value)
         for replica in self.replicas:
             replica.load_state_dict(checkpoint.load_replica(directory, replica.index))
+        if self.data_parallel is not None:
+            saved = checkpoint.load_data_parallel(directory)
+            optimizer, schedule = self.data_parallel
+            optimizer.load_state_dict(saved["optimizer"])
+            schedule.load_state_dict(saved["schedule"])
 
     def check_workers_agree(self) -> str:
         """The global parameters' hash, after checking every worker holds the same."""
@@ -206,10 +220,11 @@ class Trainer:
 
     def data_parallel_round(self) -> tuple[float, float, OuterStepStats]:
         """adamw_ddp: H data-parallel AdamW steps on the global model, gradients averaged over
-        all R replicas' batches every step (replica 0's optimizer is the one optimizer; a
-        replica spread over G workers gives each its rows of the replica's batch)."""
+        all R replicas' batches every step (a replica spread over G workers gives each its rows
+        of the replica's batch)."""
+        assert self.data_parallel is not None
         stats, traffic = OuterStepStats(), TrafficCounter()
-        optimizer, schedule = self.replicas[0].optimizer, self.replicas[0].schedule
+        optimizer, schedule = self.data_parallel
         params = list(self.model.parameters())
         shard = self.layout.shard
         shares = self.cfg.scaling.replicas * self.cfg.scaling.workers_per_replica
