@@ -29,8 +29,9 @@ def synthetic_data(out: Path, documents: int, block_len: int) -> Path:
 
     if (out / "meta.json").is_file():
         return out
-    prepare_dataset(synthetic_documents(documents, seed=0), out, vocab_size=2048, block_len=block_len, shard_blocks=32,
-                    valid_fraction=0.02, test_fraction=0.01, source_name="gpu_round synthetic")
+    prepare_dataset(synthetic_documents(documents, seed=0), out, vocab_size=2048,
+                    block_len=block_len, shard_blocks=32, valid_fraction=0.02,
+                    test_fraction=0.01, source_name="gpu_round synthetic")
     return out
 
 

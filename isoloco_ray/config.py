@@ -3,8 +3,8 @@
 `TrainConfig` is what `python -m isoloco_ray.train` builds from its defaults, an optional YAML
 file and `--section.field=value` flags. Fields left at `None` are filled from presets after
 validation (model size from `model.preset`; learning rates, momentum and merge options from the
-outer strategy's paper values in the registry, isoloco_ray/strategies.py), so a resolved config has no `None` left where a number is
-needed and is what checkpoints and summaries record.
+outer strategy's paper values in the registry, isoloco_ray/strategies.py), so a resolved config
+has no `None` left where a number is needed and is what checkpoints and summaries record.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ class ScalingConfig(_Section):
             raise ValueError(
                 f"scaling.replicas ({self.replicas}) must be divisible by "
                 f"scaling.replicas_per_worker ({self.replicas_per_worker}); e.g. set "
-                f"--scaling.replicas_per_worker={math.gcd(self.replicas, self.replicas_per_worker)}")
+                "--scaling.replicas_per_worker="
+                f"{math.gcd(self.replicas, self.replicas_per_worker)}")
         if self.workers_per_replica > 1 and self.replicas_per_worker > 1:
             raise ValueError(
                 f"scaling.workers_per_replica ({self.workers_per_replica}) > 1 spreads one "

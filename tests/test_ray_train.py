@@ -82,7 +82,8 @@ def test_crashes_lose_nothing(ray_cluster, small_dataset, tmp_path, capsys, monk
     assert train.main(base + ["--run.name=restarted", "--run.max_failures=1"]) == 0
     assert (tmp_path / "killed-once").exists()  # it did die
     assert sha("restarted") == sha("whole")
-    rounds = [json.loads(line)["round"] for line in (tmp_path / "restarted" / "metrics.jsonl").open()]
+    metrics = tmp_path / "restarted" / "metrics.jsonl"
+    rounds = [json.loads(line)["round"] for line in metrics.open()]
     assert rounds[-1] == 4 and rounds.count(2) >= 1
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from isoloco_ray import train, tune
+from isoloco_ray import tune
 from isoloco_ray.config import TrainConfig, load_config
 from isoloco_ray.grid import build_trials, load_grid_file
 

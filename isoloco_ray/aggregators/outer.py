@@ -1,5 +1,6 @@
 """The outer optimizer: heavy-ball / Nesterov momentum exactly as torch.optim.SGD, optionally
-followed by ISO-C of the update (docs/strategies.md, "Outer momentum"; IsoLoCo's "update" ordering)."""
+followed by ISO-C of the update (docs/strategies.md, "Outer momentum"; IsoLoCo's "update"
+ordering)."""
 
 from __future__ import annotations
 

@@ -698,7 +698,8 @@ class _Run:
         for s in SPLITS:
             shards = self.writers[s].close()
             blocks = sum(i.rows for i in shards)
-            splits[s] = SplitInfo(documents=self.documents[s], tokens=blocks * self.settings.block_len,
+            splits[s] = SplitInfo(documents=self.documents[s],
+                                  tokens=blocks * self.settings.block_len,
                                   dropped_tokens=self.packers[s].dropped, blocks=blocks,
                                   shards=shards)
         if not splits["train"].blocks:

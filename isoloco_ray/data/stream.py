@@ -3,9 +3,10 @@
 Replica r of R owns the train shards `files[r::R]` (whole parquet files, in order), whatever the
 worker layout, so moving replicas between workers never changes what they train on. On Ray the
 shards are read by Ray Data (`read_parquet`, order preserved, one unsplit dataset per replica,
-read only by the worker that hosts it: `replica_data_config`); without Ray (tests, single-process loops) the
-same files are read with pyarrow. Both feed `ReplicaStream`, which cuts blocks into sequences,
-groups them into batches and counts what it consumed, since Ray Data cannot resume mid-epoch.
+read only by the worker that hosts it: `replica_data_config`); without Ray (tests,
+single-process loops) the same files are read with pyarrow. Both feed `ReplicaStream`, which
+cuts blocks into sequences, groups them into batches and counts what it consumed, since Ray Data
+cannot resume mid-epoch.
 Readers yield `ShardBlocks`: the rows and the shard file of each row (Ray Data's `path` column),
 so that a token id outside the model's vocabulary, checked as every batch is read, is reported
 with its file instead of failing as an index error inside the embedding.

@@ -1,9 +1,9 @@
 """The torch.distributed collectives of the outer sync, on flat buffers, with their traffic counted.
 
-Bytes are counted under the cost model of docs/design.md (S = a tensor's bytes as sent, W = ranks in the
-group): all-reduce 2(W-1)/W·S received per rank, all-gather (W-1)·S (S = one rank's part),
-broadcast S at every non-root, all-to-all the payloads that come from other ranks. With one rank
-(or no process group) every collective is the identity and moves nothing.
+Bytes are counted under the cost model of docs/design.md (S = a tensor's bytes as sent, W =
+ranks in the group): all-reduce 2(W-1)/W·S received per rank, all-gather (W-1)·S (S = one
+rank's part), broadcast S at every non-root, all-to-all the payloads that come from other
+ranks. With one rank (or no process group) every collective is the identity and moves nothing.
 
 `group` is a torch.distributed process group; None means the default (whole-world) group.
 """

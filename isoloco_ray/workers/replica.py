@@ -22,7 +22,8 @@ from isoloco_ray.workers.model import Runtime
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_fraction: float) -> float:
-    """LR multiplier (docs/strategies.md): linear warmup from 0.1x, then cosine down to 0.1x at the end."""
+    """LR multiplier (docs/strategies.md): linear warmup from 0.1x, then cosine down to 0.1x
+    at the end."""
     warmup_steps = int(warmup_fraction * total_steps)
     if step < warmup_steps:
         return 0.1 + 0.9 * step / warmup_steps
@@ -101,9 +102,9 @@ class Replica:
                         ) -> tuple[dict[str, torch.Tensor], float]:
         """Start from the global parameters, take `steps` AdamW steps, return (Δ_r, mean loss).
 
-        Δ_r = θ_global − θ_r (the pseudo-gradient of docs/strategies.md), in float32. With a `shard`, this
-        worker computes the gradients of its rows of each batch and averages them with the
-        replica's other workers, so every one of them takes the same steps.
+        Δ_r = θ_global − θ_r (the pseudo-gradient of docs/strategies.md), in float32. With a
+        `shard`, this worker computes the gradients of its rows of each batch and averages them
+        with the replica's other workers, so every one of them takes the same steps.
         """
         load_parameters(model, global_params)
         model.train()
