@@ -1,4 +1,5 @@
-"""JSON files that every reader accepts: non-finite floats are written as null.
+"""JSON files that every reader accepts: non-finite floats are written as null, and files are
+replaced atomically.
 
 Python's json writes NaN and Infinity, which are not JSON: strict parsers (jq, JavaScript,
 W&B's tooling) reject the whole file. Every JSON file the project writes goes through here.
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import uuid
+from pathlib import Path
 from typing import Any
 
 
@@ -25,3 +29,17 @@ def finite_or_none(value: Any) -> Any:
 def dumps(value: Any, **kwargs: Any) -> str:
     """Strict JSON text of `value` (json.dumps keywords apply); non-finite floats become null."""
     return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
+
+
+def write(path: Path, value: Any, *, indent: int | None = None) -> None:
+    """Write `value` to `path` as strict JSON (and a final newline), atomically: through a
+    temporary file beside it and a rename, so a reader never sees half a file (a torn
+    summary.json would look like a finished run)."""
+    text = dumps(value, indent=indent) + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -15,7 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from isoloco_ray.data import prepare, sources
+from isoloco_ray.data.checks import check_layout
 from isoloco_ray.data.format import SPLITS, DataError, DatasetMeta, read_blocks, split_files, verify
+from isoloco_ray.data.stream import replica_files
 
 from isoloco_ray.testing import synthetic_documents
 
@@ -174,26 +176,77 @@ def test_token_targets(corpus: tuple[Path, Path], tmp_path: Path) -> None:
     assert valid.tokens + valid.dropped_tokens < 100 + 400  # stops after the doc that fills it
 
 
-def test_from_npy(tmp_path: Path, small_dataset: Path) -> None:
-    meta0 = DatasetMeta.load(small_dataset)
-    npy = tmp_path / "npy"
+def _npy_arrays(npy: Path, vocab: int, lengths: dict[str, int]) -> dict[str, np.ndarray]:
+    """Random token arrays of the given lengths saved as npy/NAME; returned by name."""
     npy.mkdir()
     rng = np.random.default_rng(0)
-    arrays = {f"train_{i:06d}.npy": rng.integers(0, meta0.vocab_size, 1000, dtype=np.uint16)
-              for i in range(3)}
-    arrays["valid_000000.npy"] = rng.integers(0, meta0.vocab_size, 300, dtype=np.uint16)
+    arrays = {name: rng.integers(0, vocab, n, dtype=np.uint16) for name, n in lengths.items()}
     for name, a in arrays.items():
         np.save(npy / name, a)
+    return arrays
+
+
+def test_from_npy_keeps_the_file_split(tmp_path: Path, small_dataset: Path) -> None:
+    """Every file becomes its own shards, never two files in one; a file longer than
+    --shard-blocks is cut into equal shards, numbered so that replica r of as many replicas as
+    files reads file r, whole and in order; each file's tail is dropped and counted."""
+    meta0 = DatasetMeta.load(small_dataset)
+    npy = tmp_path / "npy"
+    arrays = _npy_arrays(npy, meta0.vocab_size, {
+        **{f"train_{i:06d}.npy": 1000 for i in range(3)}, "valid_000000.npy": 300})
     tok = str(small_dataset / "tokenizer")
     out = tmp_path / "out"
     assert prepare.main(["--from-npy", str(npy), "--tokenizer", tok, "--out", str(out),
                          "--block-len", "64", "--shard-blocks", "10"]) == 0
     meta = verify(out)
-    train = np.concatenate([read_blocks(f) for f in split_files(out, "train")]).ravel()
-    stream = np.concatenate([arrays[f"train_{i:06d}.npy"] for i in range(3)])
-    np.testing.assert_array_equal(train, stream[:len(train)])
-    assert meta.split("train").blocks == 3000 // 64 and meta.split("test").blocks == 0
-    assert meta.split("train").documents == int((stream == meta.eos_id).sum())
+    train = meta.split("train")
+    # 15 whole blocks a file (960 tokens, 40 dropped), in shards of 8 and 7 blocks.
+    assert [s.rows for s in train.shards] == [8, 8, 8, 7, 7, 7]
+    assert (train.blocks, train.dropped_tokens) == (45, 120)
+    files = split_files(out, "train")
+    for r in range(3):
+        read = np.concatenate([read_blocks(f) for f in replica_files(files, r, 3)]).ravel()
+        np.testing.assert_array_equal(read, arrays[f"train_{r:06d}.npy"][:960])
+    stream = np.concatenate(list(arrays.values())[:3])
+    assert train.documents == int((stream == meta.eos_id).sum())
+    assert meta.split("test").blocks == 0
     np.save(npy / "test_000000.npy", np.array([meta0.vocab_size], dtype=np.uint16))
     with pytest.raises(DataError, match=r"test_000000.npy: token id \d+ at index 0 is outside"):
         prepare.prepare_from_npy(npy, tmp_path / "bad", tokenizer=tok, block_len=64)
+
+
+def test_from_npy_gives_one_shard_per_worker_file_by_default(tmp_path: Path,
+                                                            small_dataset: Path) -> None:
+    """The research code's one file per worker: by default (shards up to 16 M tokens) each
+    small file is one shard, so a run can use as many replicas as there are files (merged
+    into one shard, these four files allowed one replica)."""
+    npy = tmp_path / "npy"
+    _npy_arrays(npy, 384, {**{f"train_{i:06d}.npy": 700 for i in range(4)},
+                           "valid_000000.npy": 200})
+    out = tmp_path / "out"
+    assert prepare.main(["--from-npy", str(npy), "--tokenizer", str(small_dataset / "tokenizer"),
+                         "--out", str(out), "--block-len", "64"]) == 0
+    meta = DatasetMeta.load(out)
+    assert [s.rows for s in meta.split("train").shards] == [10, 10, 10, 10]
+    check_layout(out, meta, seq_len=64, replicas=4, sequences_per_replica=10)
+
+
+def test_npy_shard_plan() -> None:
+    plan = prepare.npy_shard_plan([5, 0, 12, 3], shard_blocks=4)
+    assert [(p.file, p.first, p.blocks) for p in plan] == [
+        (0, 0, 3), (2, 0, 4), (3, 0, 3), (0, 3, 2), (2, 4, 4), (2, 8, 4)]
+    assert prepare.npy_shard_plan([0, 0], shard_blocks=4) == []
+
+
+def test_from_npy_refuses_files_without_a_whole_block(tmp_path: Path, small_dataset: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    npy = tmp_path / "npy"
+    _npy_arrays(npy, 384, {"train_000000.npy": 40, "train_000001.npy": 40,
+                           "valid_000000.npy": 200})
+    assert prepare.main(["--from-npy", str(npy), "--tokenizer", str(small_dataset / "tokenizer"),
+                         "--out", str(tmp_path / "out"), "--block-len", "64"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --from-npy {npy}: the train arrays hold 80 tokens, but none of its 2 files "
+        "holds a whole block of 64 (--block-len), and a block never spans two files; use a "
+        "smaller --block-len\n")

@@ -28,6 +28,7 @@ from typing import Any
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from isoloco_ray import strict_json
 from isoloco_ray.config import ConfigError, TrainConfig
 from isoloco_ray.data.format import (
     META_FILE, SPLITS, STAMP_FILE, TOKEN_COLUMN, DataError, DatasetMeta, sha256_file,
@@ -160,9 +161,7 @@ def scanned_max_token_id(data_dir: Path, meta: DatasetMeta) -> int | None:
           f"dataset, {VERIFY_ENV}=never skips it)", file=sys.stderr)
     max_id = scan_shards(data_dir, meta)
     try:
-        tmp = stamp.with_name(f"{STAMP_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**key, "max_token_id": max_id}) + "\n")
-        os.replace(tmp, stamp)
+        strict_json.write(stamp, {**key, "max_token_id": max_id})
     except OSError:
         pass  # a read-only dataset: scanned again next time
     return max_id

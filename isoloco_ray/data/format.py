@@ -19,7 +19,6 @@ stream, the config's checks) need only this module.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import uuid
@@ -31,6 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from isoloco_ray import strict_json
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -146,9 +147,8 @@ class DatasetMeta(_Strict):
 
     def save(self, data_dir: str | os.PathLike[str]) -> Path:
         """Write ``DIR/meta.json`` atomically (temporary file + rename) and return its path."""
-        text = json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
         path = Path(data_dir) / META_FILE
-        _atomic_write_bytes(path, text.encode("utf-8"))
+        strict_json.write(path, self.model_dump(mode="json"), indent=2)
         return path
 
     def split(self, name: str) -> SplitInfo:
@@ -333,13 +333,3 @@ def _temp_sibling(path: Path) -> Path:
     Only a name: the file is created by its writer with ordinary permissions (mkstemp's 0600
     would carry over to the final file)."""
     return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = _temp_sibling(path)
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from isoloco_ray import strict_json
 from isoloco_ray.data import demo
 from isoloco_ray.data.format import (
     META_FILE, SPLITS, TOKENIZER_DIR, DataError, DatasetMeta, ShardInfo, SplitInfo, shard_name,
@@ -680,7 +681,7 @@ class _Run:
                     "documents": self.documents,
                     "shards": {s: [i.model_dump() for i in self.writers[s].shards]
                                for s in SPLITS}}
-        _write_json_atomic(self.staging / PROGRESS_FILE, progress)
+        strict_json.write(self.staging / PROGRESS_FILE, progress, indent=1)
         for old in self.staging.glob("carry-*.npz"):
             if old.name != name:
                 old.unlink()
@@ -828,16 +829,7 @@ def _settings_diff(saved: dict[str, Any], settings: CorpusSettings) -> str:
     return "; ".join(diffs) or "same settings, other version"
 
 
-def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------- the research .npy
-
-
-NPY_CHUNK = 1 << 24  # tokens converted at a time: memory stays bounded for any file size
 
 
 def prepare_from_npy(npy_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
@@ -845,20 +837,29 @@ def prepare_from_npy(npy_dir: str | os.PathLike[str], out_dir: str | os.PathLike
                      shard_blocks: int = DEFAULT_SHARD_TOKENS // 2048,
                      vocab_size: int | None = None, overwrite: bool = False) -> DatasetMeta:
     """Convert the research code's ``{train,valid,test}_NNNNNN.npy`` flat token arrays into
-    shards without re-tokenizing. The splits are the files' own; documents are counted as EOS
-    tokens. ``tokenizer`` (a path or Hugging Face name: the one the arrays were made with) is
-    required so meta.json and exported models name it; ``vocab_size`` overrides len(tokenizer)
-    when the arrays were made for a padded vocabulary. Every id is checked against the vocab.
-    Not resumable (it is a fast copy): an interrupted conversion starts over. Train and valid
-    must hold at least a block each (training reads both)."""
+    shards without re-tokenizing. The splits are the files' own, and so is the file split
+    (``npy_shard_plan``): a shard never holds blocks of two files, so with R replicas and as
+    many equally long train files, replica r reads file r, as the research code's worker r
+    did. Documents are counted as EOS tokens. ``tokenizer`` (a path or Hugging Face name: the
+    one the arrays were made with) is required so meta.json and exported models name it;
+    ``vocab_size`` overrides len(tokenizer) when the arrays were made for a padded vocabulary.
+    Every id is checked against the vocab. Not resumable (it is a fast copy): an interrupted
+    conversion starts over. Train and valid must hold at least a block each (training reads
+    both)."""
     out_dir = Path(out_dir).expanduser().absolute()
     files = npy_token_files(npy_dir)
     for split in ("train", "valid"):
-        tokens = sum(len(_load_npy(path)) for path in files[split])
+        lengths = [len(_load_npy(path)) for path in files[split]]
+        tokens = sum(lengths)
         if tokens < block_len:
             raise DataError(f"--from-npy {npy_dir}: the {split} arrays hold {tokens} tokens, "
                             f"less than one block of {block_len} (--block-len); training needs "
                             f"{split} data")
+        if all(length < block_len for length in lengths):
+            raise DataError(f"--from-npy {npy_dir}: the {split} arrays hold {tokens} tokens, but "
+                            f"none of its {len(lengths)} files holds a whole block of {block_len} "
+                            "(--block-len), and a block never spans two files; use a smaller "
+                            "--block-len")
     source = TextSource(f"npy: {Path(npy_dir).absolute()}", lambda: iter(()))
     settings = CorpusSettings(source=source.name, tokenizer=tokenizer, block_len=block_len,
                               shard_blocks=shard_blocks)
@@ -888,27 +889,78 @@ def prepare_from_npy(npy_dir: str | os.PathLike[str], out_dir: str | os.PathLike
     return meta
 
 
+@dataclass(frozen=True)
+class NpyShard:
+    """One shard of a converted split: ``blocks`` whole blocks of file ``file`` (an index into
+    the split's files) from block ``first`` on."""
+
+    file: int
+    first: int
+    blocks: int
+
+
+def npy_shard_plan(file_blocks: Sequence[int], shard_blocks: int) -> list[NpyShard]:
+    """The shards of a split whose files hold ``file_blocks`` whole blocks each, in order.
+
+    A shard never holds blocks of two files. A file of more than ``shard_blocks`` blocks (from
+    --shard-tokens / --shard-blocks) is cut into the fewest shards of at most that many,
+    equally long (within a block); a file with no whole block gives none. The shards are
+    numbered piece by piece across the files (the first piece of every file, then the second,
+    ...), so when the files give the same number of shards and R divides the number of files,
+    replica r of R (which reads shards r, r+R, ...) reads all of files r, r+R, ..., each file's
+    shards in order: with R equal to the number of files, replica r reads file r alone, whole
+    and in order, as the research code's worker r did.
+    """
+    pieces: list[list[NpyShard]] = []
+    for index, blocks in enumerate(file_blocks):
+        count = -(-blocks // shard_blocks)
+        size, extra = divmod(blocks, count) if count else (0, 0)
+        sizes = [size + (j < extra) for j in range(count)]
+        starts = itertools.accumulate([0, *sizes[:-1]])
+        pieces.append([NpyShard(index, first, n) for first, n in zip(starts, sizes)])
+    return [file_pieces[j] for j in range(max(map(len, pieces), default=0))
+            for file_pieces in pieces if j < len(file_pieces)]
+
+
 def _convert_npy_split(files: list[Path], staging: Path, split: str, eos_id: int, vocab: int,
                        block_len: int, shard_blocks: int) -> SplitInfo:
-    packer = BlockPacker(block_len)
-    writer = ShardWriter(staging / split, shard_blocks)
+    """Write one split's shards (``npy_shard_plan``), checking every id against ``vocab``;
+    each file's tail that fills no block is dropped (counted in ``dropped_tokens``)."""
+    arrays = [_load_npy(path) for path in files]
+    split_dir = staging / split
+    split_dir.mkdir(parents=True)
+    shards = []
     documents = 0
-    for path in files:
-        array = _load_npy(path)
-        for start in range(0, len(array), NPY_CHUNK):
-            chunk = np.asarray(array[start:start + NPY_CHUNK])
-            if len(chunk) and (int(chunk.max()) >= vocab or int(chunk.min()) < 0):
-                at = int(np.flatnonzero((chunk < 0) | (chunk >= vocab))[0])
-                raise DataError(
-                    f"{path}: token id {int(chunk[at])} at index {start + at} is outside the "
-                    f"vocabulary (0..{vocab - 1}); a negative id means the file is not a token "
-                    "array, a large one the wrong --tokenizer or --vocab-size")
-            documents += int(np.count_nonzero(chunk == eos_id))
-            writer.add(packer.add(chunk.astype(np.int32)))
-    shards = writer.close()
+    for index, part in enumerate(npy_shard_plan([len(a) // block_len for a in arrays],
+                                                shard_blocks)):
+        start = part.first * block_len
+        tokens, eos = _checked_tokens(files[part.file], arrays[part.file], start,
+                                      start + part.blocks * block_len, eos_id, vocab)
+        documents += eos
+        shards.append(write_blocks(split_dir / shard_name(index),
+                                   tokens.reshape(part.blocks, block_len)))
+    dropped = 0
+    for path, array in zip(files, arrays):
+        tail = len(array) // block_len * block_len
+        documents += _checked_tokens(path, array, tail, len(array), eos_id, vocab)[1]
+        dropped += len(array) - tail
     blocks = sum(s.rows for s in shards)
-    return SplitInfo(documents=documents, tokens=blocks * block_len,
-                     dropped_tokens=packer.dropped, blocks=blocks, shards=shards)
+    return SplitInfo(documents=documents, tokens=blocks * block_len, dropped_tokens=dropped,
+                     blocks=blocks, shards=shards)
+
+
+def _checked_tokens(path: Path, array: np.ndarray, start: int, stop: int, eos_id: int,
+                    vocab: int) -> tuple[np.ndarray, int]:
+    """``array[start:stop]`` as int32 and its EOS count; DataError naming the file and index
+    of the first id outside ``0..vocab-1``."""
+    tokens = np.asarray(array[start:stop])
+    if len(tokens) and (int(tokens.max()) >= vocab or int(tokens.min()) < 0):
+        at = int(np.flatnonzero((tokens < 0) | (tokens >= vocab))[0])
+        raise DataError(
+            f"{path}: token id {int(tokens[at])} at index {start + at} is outside the "
+            f"vocabulary (0..{vocab - 1}); a negative id means the file is not a token array, "
+            "a large one the wrong --tokenizer or --vocab-size")
+    return tokens.astype(np.int32), int(np.count_nonzero(tokens == eos_id))
 
 
 def _load_npy(path: Path) -> np.ndarray:
@@ -990,7 +1042,10 @@ def _parser() -> argparse.ArgumentParser:
                            "dataset name (NAME or NAME:CONFIG, streamed; needs the hf extra)")
     what.add_argument("--from-npy", type=Path, default=None,
                       help="a folder of {train,valid,test}_NNNNNN.npy flat uint16 token arrays "
-                           "(the research code's format), converted without re-tokenizing")
+                           "(the research code's format), converted without re-tokenizing; "
+                           "every file becomes its own shards (never two files in one), so "
+                           "with as many replicas as equally long train files, replica r "
+                           "reads file r")
     p.add_argument("--tokenizer", default=None,
                    help="--source/--from-npy: a Hugging Face tokenizer name or local path, or "
                         "train-bpe:VOCAB to train a byte-level BPE on the source")
@@ -1009,7 +1064,9 @@ def _parser() -> argparse.ArgumentParser:
                         % DEMO_SETTINGS["shard_blocks"])
     p.add_argument("--shard-tokens", type=int, default=None,
                    help="tokens per shard, rounded down to whole blocks (default for "
-                        f"--source/--from-npy: {DEFAULT_SHARD_TOKENS})")
+                        f"--source/--from-npy: {DEFAULT_SHARD_TOKENS}); --from-npy: the most "
+                        "per shard, a longer file is cut into equal shards (more shards let "
+                        "more replicas read their own)")
     p.add_argument("--total-tokens", type=int, default=None,
                    help="stop once train holds this many tokens (default: the whole source)")
     p.add_argument("--valid-tokens", type=int, default=None,
