@@ -160,7 +160,7 @@ class InnerConfig(_Section):
                        "for adamw_ddp, the data-parallel steps between two progress lines")
     warmup: float = Field(0.1, ge=0, lt=1, description="fraction of all inner steps spent in "
                           "linear warmup from 0.1x lr; then cosine to 0.1x lr")
-    clip: float | None = Field(1.0, gt=0, description="gradient-norm clip (None: no clipping)")
+    clip: float | None = Field(1.0, gt=0, description="gradient-norm clip (null: no clipping)")
 
     @field_validator("betas")
     @classmethod
@@ -405,23 +405,70 @@ def build_config(values: dict[str, Any]) -> TrainConfig:
         raise ConfigError(format_validation_error(exc)) from None
 
 
+# What the command line accepts for "unset" in an optional field: YAML's null and Python's None,
+# in any case. pydantic-settings takes one spelling (cli_parse_none_str); the others are mapped
+# to it before parsing.
+NULL_SPELLINGS = ("null", "none")
+CLI_NONE = "None"
+
+# The --help description; shown as written (pydantic-settings keeps its line breaks).
+CLI_DESCRIPTION = """\
+Every field can also be set in a YAML file given as the first argument; the
+command line wins.
+
+Optional fields (those that may be left unset: a preset's, the strategy's or the
+data's value, or off) are unset again with null, None or none, as `field: null`
+does in YAML: e.g. --inner.clip=null (no clipping), --outer.lr=null (the
+strategy's paper value). The other fields always take a value."""
+
+
 def parse_cli_overrides(args: list[str], prog: str) -> dict[str, Any]:
     """`--section.field=value` flags as a nested dict of the fields given, unvalidated.
 
     Parsed by pydantic-settings' CLI: `--help` prints every field with its default and
-    description and exits; an unknown flag exits with status 2 and argparse's message.
+    description and exits; an unknown flag exits with status 2 and argparse's message. An
+    optional field takes null, None or none (any case) for "unset" (`_unset_spellings`).
     """
     from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
     from pydantic_settings.exceptions import SettingsError
 
     class CommandLine(TrainConfig, BaseSettings):
         model_config = SettingsConfigDict(cli_prog_name=prog, cli_avoid_json=True,
-                                          cli_hide_none_type=True, cli_exit_on_error=False)
+                                          cli_parse_none_str=CLI_NONE, cli_hide_none_type=True,
+                                          cli_exit_on_error=False)
 
+    CommandLine.__doc__ = CLI_DESCRIPTION  # the --help description
     try:
-        return CliSettingsSource(CommandLine, cli_parse_args=args)()
+        return CliSettingsSource(CommandLine, cli_parse_args=_unset_spellings(args))()
     except SettingsError as exc:
         raise ConfigError(_explain_cli_error(str(exc))) from None
+
+
+def _unset_spellings(args: list[str]) -> list[str]:
+    """`args` with every spelling of "unset" (NULL_SPELLINGS, any case) given to an optional
+    field turned into the one pydantic-settings parses (CLI_NONE), in both the `--f=value` and
+    the `--f value` form. The same word given to a field that always has a value is a
+    ConfigError naming the field (rather than a type error about the word)."""
+    optional = set(optional_field_paths(TrainConfig))
+    known = set(field_paths(TrainConfig))
+    out = list(args)
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        flag, eq, value = arg.partition("=")
+        at = i
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                continue
+            at, value = i + 1, args[i + 1]
+        path = flag[2:]
+        if value.lower() not in NULL_SPELLINGS or path not in known:
+            continue
+        if path not in optional:
+            raise ConfigError(f"{path}: cannot be unset ({value!r}); it always takes a value, "
+                              "see --help")
+        out[at] = f"{flag}={CLI_NONE}" if eq else CLI_NONE
+    return out
 
 
 def _explain_cli_error(message: str) -> str:
@@ -446,6 +493,21 @@ def field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
         if isinstance(spec.annotation, type) and issubclass(spec.annotation, BaseModel):
             paths += field_paths(spec.annotation, f"{prefix}{name}.")
         else:
+            paths.append(f"{prefix}{name}")
+    return paths
+
+
+def optional_field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted paths of the leaf fields of `model` that accept None (their "unset" value)."""
+    import types
+    import typing
+
+    paths = []
+    for name, spec in model.model_fields.items():
+        if isinstance(spec.annotation, type) and issubclass(spec.annotation, BaseModel):
+            paths += optional_field_paths(spec.annotation, f"{prefix}{name}.")
+        elif (typing.get_origin(spec.annotation) in (typing.Union, types.UnionType)
+              and type(None) in typing.get_args(spec.annotation)):
             paths.append(f"{prefix}{name}")
     return paths
 

@@ -192,3 +192,37 @@ def test_an_unwritable_storage_path_exits_2_before_ray(small_dataset, tmp_path, 
     assert status == 2
     assert err.startswith(f"error: run.storage_path: cannot write to {path} (")
     assert "choose a writable directory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("spelling", ["null", "None", "none", "NULL"])
+def test_an_optional_field_is_unset_by_null_or_none(tmp_path, spelling):
+    """YAML's `null` and Python's `None` both unset an optional field, in both flag forms,
+    and win over the YAML file like any other flag."""
+    path = tmp_path / "run.yaml"
+    path.write_text("inner: {clip: 2.0}\nouter: {lr: 0.5}\nrun: {name: from-yaml}\n")
+    cfg = load_config([str(path), f"--inner.clip={spelling}", "--outer.lr", spelling,
+                       f"--run.name={spelling}"])
+    assert cfg.inner.clip is None
+    assert cfg.outer.lr == 0.7  # unset again: the strategy's paper value
+    assert cfg.run.name is None
+    assert load_config(["--run.wandb.project=p", f"--run.wandb.mode={spelling}"]
+                       ).run.wandb.mode is None
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--inner.steps=null"], "inner.steps: cannot be unset ('null'); it always takes a value"),
+    (["--outer.strategy", "None"], "outer.strategy: cannot be unset ('None'); it always takes "
+                                   "a value"),
+])
+def test_unsetting_a_field_that_always_has_a_value_names_it(args, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(args)
+    assert str(err.value).startswith(message)
+
+
+def test_help_says_how_to_unset_an_optional_field(capsys):
+    with pytest.raises(SystemExit):
+        load_config(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "are unset again with null, None or none" in out
+    assert "--inner.clip=null (no clipping)" in out
