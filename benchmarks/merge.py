@@ -160,7 +160,7 @@ def main() -> None:
                   f"{wall[strategy]['ours']:.2f} plain {wall[strategy]['plain']:.2f}, CPU s "
                   f"ours {cpu[strategy]['ours']:.2f} plain {cpu[strategy]['plain']:.2f}",
                   flush=True)
-        del deltas
+        deltas = {}  # free this group's tensors before the next is made
 
     print()
     print(f"{'strategy':9s}{'ours s':>9s}{'plain s':>9s}{'speed-up':>9s}{'ours cpu':>10s}"
