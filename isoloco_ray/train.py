@@ -204,7 +204,7 @@ def write_summary(cfg: TrainConfig, final: dict[str, Any], data_dir: Path, run_d
         "data_dir": str(data_dir),
         "seconds": seconds,
     }
-    (run_dir / "summary.json").write_text(strict_json.dumps(summary, indent=2))
+    strict_json.write(run_dir / "summary.json", summary, indent=2)
     return summary
 
 
