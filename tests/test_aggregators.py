@@ -1,7 +1,7 @@
-"""isoloco_ray.aggregators against the plain float64 SVD reference (tests/reference_merges.py).
+"""isoloco_ray.aggregators against its plain float64 SVD reference (aggregators/reference.py).
 
 Outputs are compared as matrices (singular vectors have arbitrary signs), by relative
-Frobenius error, with the tolerances SPEC.md / the brief set per strategy.
+Frobenius error, with the tolerances docs/strategies.md sets per strategy.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from reference_merges import (
+from isoloco_ray.aggregators.reference import (
     realistic_deltas,
     ref_disjoint_merge_loop,
     ref_isoc,
@@ -215,6 +215,113 @@ def test_polar_error_bound():
         actual = rel_err(m @ h, ref_polar(m))
         bound = linalg.polar_error_bound(torch.linalg.eigvalsh(m.mT @ m)).item()
         assert actual <= 2 * bound
+
+
+def test_polar_error_bound_scale():
+    """The bound depends on the condition number only, except that a Gram matrix near
+    underflow is never trusted; polar factors stay exact at any scale (SVD where needed)."""
+    values = torch.logspace(0, -8, 50, dtype=torch.float64).unsqueeze(0)
+    bound = linalg.polar_error_bound(values)
+    assert torch.allclose(linalg.polar_error_bound(values * 1e-200), bound, rtol=1e-5)
+    assert torch.isinf(linalg.polar_error_bound(values * 1e-290)).all()
+    g = torch.Generator().manual_seed(27)
+    a = torch.randn(30, 20, generator=g, dtype=torch.float64)
+    for scale in (1e-200, 1e-120, 1e120):
+        assert rel_err(polar(a * scale), ref_polar(a)) <= 1e-10
+        assert rel_err(isoc(a * scale) / scale, ref_isoc(a)) <= 1e-10
+
+
+# --- fast-path building blocks ------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(3, 40, 33), (2, 9, 64), (700, 520), (520, 700)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gram_cols_blocks(shape, monkeypatch):
+    """The blocked symmetric product aᵀa: the plain product up to rounding, exactly symmetric;
+    tiny blocks force several levels of splitting and uneven halves."""
+    g = torch.Generator().manual_seed(25)
+    a = torch.randn(*shape, generator=g, dtype=torch.float64)
+    if shape[-1] < 512:
+        monkeypatch.setattr(linalg, "_SYM_BLOCK", 4)
+    out = linalg.gram_cols(a)
+    assert out.shape == (*shape[:-2], shape[-1], shape[-1])
+    assert torch.equal(out, out.mT)
+    assert rel_err(out, a.mT @ a) <= 1e-14
+    for x in (a, a.mT):  # the Gram matrix of the smaller side, tall or wide
+        plain = x.mT @ x if x.shape[-2] >= x.shape[-1] else x @ x.mT
+        out = linalg.gram(x)
+        assert rel_err(out, plain) <= 1e-14 and torch.equal(out, out.mT)
+
+
+@pytest.mark.parametrize("strategy", ["isoc", "tsv", "isocts"])
+def test_merges_through_blocked_products(strategy, monkeypatch):
+    """Every Gram matrix and G^{-1/2} of the merges from blocks (as for n >= 512), on
+    realistic, nearly rank-deficient and nearly coinciding replicas."""
+    monkeypatch.setattr(linalg, "_SYM_BLOCK", 5)
+    g = torch.Generator().manual_seed(26)
+    for shape in [(64, 48), (48, 64), (40, 40)]:
+        base = realistic_deltas(shape, 1, g)[0]
+        for deltas in (realistic_deltas(shape, 3, g), realistic_deltas(shape, 8, g),
+                       realistic_deltas(shape, 3, g, noise=1e-5),
+                       [base + 1e-3 * torch.randn(*shape, generator=g) / math.sqrt(shape[0])
+                        for _ in range(4)]):
+            assert rel_err(merge(strategy, deltas), ref_merge(strategy, deltas)) <= TOL[strategy]
+
+
+@pytest.mark.parametrize("strategy", ["isoc", "tsv", "isocts"])
+def test_fast_path_needs_no_svd(strategy, monkeypatch):
+    """Realistic pseudo-gradients never need the SVD fallback (a speed regression guard)."""
+    def no_svd(*args, **kwargs):
+        raise AssertionError("SVD fallback used")
+
+    deltas = {f"m{i}": make_deltas("realistic", shape, 3, seed=28 + i)
+              for i, shape in enumerate([(64, 48), (48, 64), (40, 40)])}
+    deltas["big"] = make_deltas("realistic", (540, 512), 2, seed=31)  # blocked Gram matrices
+    monkeypatch.setattr(torch.linalg, "svd", no_svd)
+    merged = merge_all(strategy, deltas)
+    monkeypatch.setattr(linalg, "_SYM_BLOCK", 10**9)  # plain products for the big one
+    plain = merge(strategy, deltas["big"])
+    monkeypatch.undo()
+    assert rel_err(merged["big"], plain) <= 1e-6
+    for name, ds in deltas.items():
+        if name != "big":
+            assert rel_err(merged[name], ref_merge(strategy, ds)) <= TOL[strategy], name
+
+
+def test_eigh_top_refined(monkeypatch):
+    """The refined float32 path (q <= n/16): float64 eigh's top-q eigenpairs (vectors up to
+    sign), at any scale; a zero matrix and every matrix failing the residual test get float64
+    eigh's own result."""
+    g = torch.Generator().manual_seed(32)
+    a = torch.stack([realistic_deltas((400, 300), 1, g)[0] for _ in range(2)]).double()
+    gram = a.mT @ a
+    tiny = gram[:1] * 1e-100  # 0 in float32
+    gram = torch.cat([gram, torch.zeros(1, 300, 300, dtype=torch.float64), tiny])
+    exact_values, exact_vectors = linalg._eigh_top_exact(gram, 12)
+    values, vectors = linalg.eigh_top(gram, 12)
+    assert torch.allclose(values, exact_values, rtol=1e-10, atol=0)
+    nonzero = [0, 1, 3]
+    cosines = (vectors[nonzero] * exact_vectors[nonzero]).sum(-2).abs()
+    assert torch.allclose(cosines, torch.ones_like(cosines), atol=1e-9)
+    assert torch.equal(values[2], exact_values[2]) and torch.equal(vectors[2], exact_vectors[2])
+    monkeypatch.setattr(linalg, "EIGH_REFINE_TRUST", 0.0)  # every matrix fails the test
+    values, vectors = linalg.eigh_top(gram, 12)
+    # (LAPACK's rounding may depend on where a matrix lies in memory: not bit for bit)
+    assert torch.allclose(values, exact_values, rtol=1e-13, atol=0)
+    assert torch.allclose(vectors, exact_vectors, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(10, 7), (1, 300, 4), (2, 5, 4), (7,), ()], ids=str)
+def test_mean64_chunks(shape, monkeypatch):
+    """The chunked float64 mean: the plain loop's sums bit for bit, any shape, strided inputs."""
+    monkeypatch.setattr(linalg, "_MEAN_CHUNK_ROWS", 3)
+    g = torch.Generator().manual_seed(29)
+    deltas = [torch.randn(shape, generator=g) for _ in range(5)]
+    if len(shape) == 2:
+        deltas[1] = torch.randn(shape[::-1], generator=g).T  # not contiguous
+    expected = deltas[0].double()
+    for d in deltas[1:]:
+        expected = expected + d.double()
+    assert torch.equal(linalg.mean64(deltas), expected / 5)
 
 
 def test_isoc_matches_reference_batched():

@@ -14,8 +14,8 @@ Modules, one idea each:
 - ``outer``: ``OuterOptimizer``, SGD momentum / Nesterov then optional ISO-C of the update.
 
 Every spectral merge computes exactly the function docs/strategies.md defines, checked against a
-plain float64 SVD version in tests/reference_merges.py. Tensors that are not exactly 2-D always get
-the plain mean. Random pruning draws only from the generator(s) passed in: one torch.Generator
+plain float64 SVD version in aggregators/reference.py. Tensors that are not exactly 2-D always
+get the plain mean. Random pruning draws only from the generator(s) passed in: one torch.Generator
 shared by the replicas, or one per replica; `merge_all` uses them tensor by tensor in the
 mapping's order, replica by replica within a tensor, 2-D tensors only.
 """

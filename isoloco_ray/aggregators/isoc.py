@@ -1,4 +1,4 @@
-"""ISO-C: the isotropic merge of one matrix (SPEC.md, "ISO-C")."""
+"""ISO-C: the isotropic merge of one matrix (docs/strategies.md, `isoc`)."""
 
 from __future__ import annotations
 

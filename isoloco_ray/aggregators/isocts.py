@@ -1,4 +1,4 @@
-"""ISO-CTS: isotropic merge in common and task-specific subspaces (SPEC.md, "ISO-CTS")."""
+"""ISO-CTS: isotropic merge in common and task-specific subspaces (docs/strategies.md, `isocts`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from torch import Tensor
 
 from isoloco_ray.aggregators.linalg import (
     eigh_desc,
+    eigh_top,
+    gram_cols,
     mean64,
     polar_with_orthonormal_block,
     repair,
@@ -20,10 +22,11 @@ from isoloco_ray.aggregators.linalg import (
 
 
 def isocts_sizes(k: int, replicas: int, common_fraction: float) -> tuple[int, int]:
-    """(k_c, s): common-subspace size and per-replica task-specific size (SPEC.md, step 2).
+    """(k_c, s): common-subspace size and per-replica task-specific size (docs/strategies.md,
+    `isocts` step 2).
 
     k_c = floor(k·f); t = round((k − k_c)/R)·R (Python's round, half to even); k_c = k − t;
-    s = t/R. SPEC.md leaves undefined the corner where rounding up makes t exceed k (only
+    s = t/R. The definition leaves open the corner where rounding up makes t exceed k (only
     possible with a tiny k·f, e.g. f = 0, k = 3, R = 2); there t is cut to the largest multiple
     of R not above k.
     """
@@ -39,7 +42,7 @@ def _common_wide(c: Tensor, k_c: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     Both come from eigh of C Cᵀ (m × m, m = k): its trailing m − k_c = t eigenvectors span
     exactly the complement, which makes the residuals E_r cheap (see `_task_wide`).
     """
-    values, vectors = eigh_desc(c @ c.mT)
+    values, vectors = eigh_desc(gram_cols(c.mT))
     u_c, basis = vectors[..., :k_c], vectors[..., k_c:]
     s_c = values[..., :k_c].clamp_min(0).sqrt()
     v_c = (c.mT @ u_c) / s_c.unsqueeze(-2)
@@ -66,11 +69,10 @@ def _task_tall(d: Tensor, u_c: Tensor, s: int) -> tuple[Tensor, Tensor, Tensor]:
     """Top-s triplets of E = D − U_c U_cᵀ D for tall D, without forming E:
     EᵀE = DᵀD − WᵀW with W = U_cᵀ D, and E v = D v − U_c (W v)."""
     w = u_c.mT @ d
-    g = d.mT @ d
+    g = gram_cols(d)
     scale = g.diagonal(dim1=-2, dim2=-1).sum(-1)  # ‖D‖_F²: the size of the cancellation error
-    g -= w.mT @ w
-    values, vectors = eigh_desc(g)
-    values, v = values[..., :s], vectors[..., :s]
+    g -= gram_cols(w)
+    values, v = eigh_top(g, s)
     sv = values.clamp_min(0).sqrt()
     u = (d @ v - u_c @ (w @ v)) / sv.unsqueeze(-2)
     ok = trusted(values[..., -1], scale)
@@ -86,8 +88,8 @@ def _task_tall(d: Tensor, u_c: Tensor, s: int) -> tuple[Tensor, Tensor, Tensor]:
 def isocts64(deltas: Sequence[Tensor], common_fraction: float) -> Tensor:
     """ISO-CTS of R replicas, each a batch (b, m, n); returns float64 (b, m, n).
 
-    Steps as SPEC.md: D_r = Δ_r/R, C = Σ D_r; top-k_c triplets of C; top-s triplets of each
-    residual E_r = D_r − U_c U_cᵀ D_r; stack [task blocks in replica order, common block];
+    Steps as docs/strategies.md: D_r = Δ_r/R, C = Σ D_r; top-k_c triplets of C; top-s triplets
+    of each residual E_r = D_r − U_c U_cᵀ D_r; stack [task blocks in replica order, common block];
     polar factors of the stacked U and V; all singular values replaced by their mean.
 
     Fast path: the polar factors use that U_c and V_c are orthonormal already
@@ -106,8 +108,10 @@ def isocts64(deltas: Sequence[Tensor], common_fraction: float) -> Tensor:
     blocks = []
     if s > 0:
         for delta in deltas:
-            d = delta.to(torch.float64) / replicas
-            blocks.append(_task_wide(d, basis, s) if m <= n else _task_tall(d, u_c, s))
+            # The residual of D_r = Δ_r/R is that of Δ_r over R: the same singular vectors.
+            d = delta.to(torch.float64)
+            u, sv, v = _task_wide(d, basis, s) if m <= n else _task_tall(d, u_c, s)
+            blocks.append((u, sv / replicas, v))
     u_task = torch.cat([b[0] for b in blocks] + [u_c[..., :0]], dim=-1)
     v_task = torch.cat([b[2] for b in blocks] + [v_c[..., :0]], dim=-1)
     s_bar = torch.cat([b[1] for b in blocks] + [s_c], dim=-1).mean(-1)

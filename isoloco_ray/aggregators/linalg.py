@@ -1,4 +1,4 @@
-"""Dense linear algebra shared by the spectral merges (SPEC.md, ISO-C / ISO-CTS / TSV-Merge).
+"""Dense linear algebra shared by the spectral merges (docs/strategies.md).
 
 Everything here works on batches of matrices ``(b, m, n)`` in float64 and is exact up to
 float rounding:
@@ -9,6 +9,20 @@ float rounding:
   (run until it has converged) on CUDA.
 - ``polar_with_orthonormal_block``: the polar factor of ``[X, Q]`` when Q already has
   orthonormal columns and X has few columns, through a small eigenproblem only.
+- ``eigh_top``: the top-q eigenpairs of a Gram matrix, from a refined float32 ``eigh`` on CPU
+  when q is small.
+- ``gram_cols`` / ``mean64``: aᵀa from blocks (symmetric: about a quarter fewer flops) and the
+  float64 replica mean a cache-sized chunk at a time, the CPU costs around the eigensolver.
+
+On CPU, LAPACK's ``eigh`` of the Gram matrix (about seven matrix products' time at n = 1024)
+is the cheapest exact route to polar factors and top-q triplets that was found, square
+matrices included (σ_min/σ_max ~ 1e-5 for the tests' synthetic 1024² ones): QDWH (4-5
+iterations of QR or Cholesky solves) is 2-4 times slower even given σ_min, the scaled Newton
+iteration (about 12 inversions) about 3 times, Newton-Schulz has not converged after 30
+iterations, and a float32 eigensolver refined in float64 loses the accuracy the merges need
+where replicas nearly coincide. Only where a few top eigenvectors are wanted (ISO-CTS's
+task-specific blocks, ``eigh_top``) does a float32 ``eigh`` pay: it starts one float64
+subspace-iteration step whose Ritz residuals are checked.
 
 A Gram matrix squares the condition number, so every Gram-based result is checked, per
 matrix, and recomputed with a plain SVD where it fails (numerically rank-deficient matrices,
@@ -29,8 +43,12 @@ from torch import Tensor
 
 # Eigenvalue ratio below which Gram-based singular triplets are recomputed by SVD. Singular
 # vectors from a float64 Gram carry errors of about eps64 * (sigma_1 / sigma_j)^2 / relative
-# gap; at 1e-10 that stays near 1e-6, far inside the tolerances SPEC.md sets.
+# gap; at 1e-10 that stays near 1e-6, far inside the tolerances of docs/strategies.md.
 GRAM_TRUST = 1e-10
+# Largest Ritz residual, relative to the largest eigenvalue, accepted from the refined
+# float32 eigensolver (`eigh_top`). It bounds each eigenvector's angle error by 1e-7 λ_1 / gap;
+# measured on the tests' pseudo-gradients: residuals 2e-8 to 8e-8, angles below 1e-6.
+EIGH_REFINE_TRUST = 1e-6
 # Largest estimated relative error (Frobenius) of a polar factor built from a Gram matrix;
 # above it the SVD is used. ISO-C's tolerance against the SVD version is 1e-4.
 POLAR_TRUST = 1e-5
@@ -40,6 +58,11 @@ POLAR_TRUST = 1e-5
 # matrices with even smaller singular values still converge, the convergence test sees to it.
 _QDWH_L0 = {torch.float64: 1e-12, torch.float32: 1e-6}
 _QDWH_MAX_ITER = 30
+
+# Symmetric products (`gram_cols`) split their output into blocks down to this size.
+_SYM_BLOCK = 256
+# Rows per chunk when `mean64` accumulates: the float64 chunk stays in cache across replicas.
+_MEAN_CHUNK_ROWS = 128
 
 # How the merges compute polar factors (see polar64); "auto" picks by device. Tests set it to
 # "qdwh" to run the CUDA path on CPU.
@@ -75,6 +98,39 @@ def eigh_desc(gram: Tensor) -> tuple[Tensor, Tensor]:
     return values.flip(-1), vectors.flip(-1)
 
 
+def eigh_top(gram: Tensor, q: int) -> tuple[Tensor, Tensor]:
+    """The q largest eigenvalues (descending) and their eigenvectors of symmetric float64
+    matrices.
+
+    On CPU, when q is at most n/16 (ISO-CTS's task-specific blocks; n >= 256), a float32
+    ``eigh`` (about 40% less time than float64 at n = 512) gives a starting block of 2q
+    vectors; one float64 subspace-iteration step and a Rayleigh-Ritz projection onto it give
+    the top q with float64 eigenvalues and eigenvectors within about 1e-6 (angle). Each matrix
+    whose Ritz residuals ‖G y − θ y‖ exceed ``EIGH_REFINE_TRUST`` times its largest eigenvalue
+    is recomputed with a float64 ``eigh``.
+    """
+    n = gram.shape[-1]
+    if gram.is_cuda or 16 * q > n or n < 256:
+        return _eigh_top_exact(gram, q)
+    # Scaled to a largest entry of 1 so that float32 neither underflows nor overflows.
+    scale = gram.abs().amax((-2, -1), keepdim=True).clamp_min(torch.finfo(gram.dtype).tiny)
+    start = torch.linalg.eigh((gram / scale).float()).eigenvectors[..., -2 * q:]
+    basis = torch.linalg.qr(gram @ start.to(gram.dtype)).Q
+    theta, rotation = torch.linalg.eigh(basis.mT @ gram @ basis)
+    values, vectors = theta[..., -q:].flip(-1), basis @ rotation[..., -q:].flip(-1)
+    residual = torch.linalg.vector_norm(gram @ vectors - vectors * values.unsqueeze(-2), dim=-2)
+    # An all-zero matrix passes the residual test with zero vectors: it takes eigh's basis.
+    ok = (residual <= EIGH_REFINE_TRUST * values[..., :1]).all(-1) & (values[..., 0] > 0)
+    repair(ok, (values, vectors), lambda index: _eigh_top_exact(gram[index], q))
+    return values, vectors
+
+
+def _eigh_top_exact(gram: Tensor, q: int) -> tuple[Tensor, Tensor]:
+    values, vectors = torch.linalg.eigh(gram)
+    n = gram.shape[-1]
+    return values[..., n - q:].flip(-1), vectors[..., n - q:].flip(-1)
+
+
 def trusted(smallest_used: Tensor, scale: Tensor) -> Tensor:
     """Per matrix: may a Gram-based result relying on eigenvalues down to `smallest_used` be
     trusted, `scale` being the largest eigenvalue (or an upper bound of it)?"""
@@ -92,9 +148,33 @@ def repair(ok: Tensor, outputs: Sequence[Tensor],
         out[index] = new.to(out.dtype)
 
 
+def gram_cols(a: Tensor) -> Tensor:
+    """aᵀa for a batch (b, m, n), exactly symmetric. On CPU the diagonal blocks are computed
+    recursively and each off-diagonal block once, then mirrored: a symmetric rank-k update,
+    which torch does not expose (10-25% less time than one matmul for n >= 2·_SYM_BLOCK)."""
+    n = a.shape[-1]
+    if n < 2 * _SYM_BLOCK or a.is_cuda:
+        return a.mT @ a
+    out = a.new_empty(*a.shape[:-2], n, n)
+
+    def fill(lo: int, hi: int) -> None:
+        if hi - lo < 2 * _SYM_BLOCK:
+            block = a[..., lo:hi]
+            out[..., lo:hi, lo:hi] = block.mT @ block
+            return
+        mid = (lo + hi) // 2
+        fill(lo, mid)
+        fill(mid, hi)
+        out[..., mid:hi, lo:mid] = a[..., mid:hi].mT @ a[..., lo:mid]
+        out[..., lo:mid, mid:hi] = out[..., mid:hi, lo:mid].mT
+
+    fill(0, n)
+    return out
+
+
 def gram(a: Tensor) -> Tensor:
     """The Gram matrix of the smaller side: aᵀa for tall (m >= n), a aᵀ for wide matrices."""
-    return a.mT @ a if a.shape[-2] >= a.shape[-1] else a @ a.mT
+    return gram_cols(a) if a.shape[-2] >= a.shape[-1] else gram_cols(a.mT)
 
 
 def top_svd(a: Tensor, q: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -109,8 +189,7 @@ def top_svd(a: Tensor, q: int) -> tuple[Tensor, Tensor, Tensor]:
     if q == 0:
         return a.new_zeros(*a.shape[:-1], 0), a.new_zeros(*a.shape[:-2], 0), \
             a.new_zeros(*a.shape[:-2], a.shape[-1], 0)
-    values, vectors = eigh_desc(gram(a))
-    values, vectors = values[..., :q], vectors[..., :q]
+    values, vectors = eigh_top(gram(a), q)
     s = values.clamp_min(0).sqrt()
     ok = trusted(values[..., -1], values[..., 0])
     # Entries that fail the test may divide by zero here; they are replaced below.
@@ -129,12 +208,18 @@ def polar_error_bound(values: Tensor) -> Tensor:
     """Estimated relative error of the polar factor A (AᵀA)^{-1/2} when AᵀA has eigenvalues
     `values` (b, k) and is known up to rounding: a perturbation δG of the Gram matrix moves
     the polar factor by δG_ij / (σ_j (σ_i + σ_j)) in the singular bases, and eigh's backward
-    error is |δG| ≈ eps·λ_max. Infinite (or NaN) for singular matrices."""
-    s = values.clamp_min(0).sqrt()
-    k = s.shape[-1]
+    error is |δG| ≈ eps·λ_max. Infinite (or NaN) for singular matrices, and for Gram matrices
+    whose smallest eigenvalue is within a factor 1/eps of underflow."""
+    k = values.shape[-1]
+    # On singular values scaled to [0, 1], in float32 (an estimate; it overflows only where
+    # the bound is far above any trust level): eps·λ_max·‖·‖ becomes eps·‖·‖.
+    s = (values / values.amax(-1, keepdim=True)).clamp_min(0).sqrt().float()
     amplification = torch.linalg.matrix_norm(
         1.0 / (s.unsqueeze(-2) * (s.unsqueeze(-1) + s.unsqueeze(-2))))
-    return torch.finfo(values.dtype).eps * values.amax(-1) * amplification / math.sqrt(k)
+    finfo = torch.finfo(values.dtype)
+    bound = finfo.eps * amplification.to(values.dtype) / math.sqrt(k)
+    # A Gram matrix this close to underflow has lost its relative accuracy: not trusted either.
+    return bound.masked_fill_(values.amin(-1) < finfo.tiny / finfo.eps, math.inf)
 
 
 def psd_inv_sqrt(g: Tensor) -> tuple[Tensor, Tensor]:
@@ -142,8 +227,9 @@ def psd_inv_sqrt(g: Tensor) -> tuple[Tensor, Tensor]:
     can be trusted (`polar_error_bound` at most POLAR_TRUST)."""
     values, vectors = torch.linalg.eigh(g)
     ok = polar_error_bound(values) <= POLAR_TRUST  # NaN compares False: not trusted
-    scale = values.clamp_min(torch.finfo(values.dtype).tiny).rsqrt()
-    return (vectors * scale.unsqueeze(-2)) @ vectors.mT, ok
+    # G^{-1/2} = W Wᵀ with W = V Λ^{-1/4}: a symmetric product.
+    root = vectors * values.clamp_min(torch.finfo(values.dtype).tiny).pow(-0.25).unsqueeze(-2)
+    return gram_cols(root.mT), ok
 
 
 def _svd_one(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -259,7 +345,7 @@ def polar64(a: Tensor, method: str | None = None) -> Tensor:
 
 
 def polar(matrix: Tensor, method: str | None = None) -> Tensor:
-    """The polar factor Q = U Vᵀ of `matrix` (reduced SVD M = U S Vᵀ; SPEC.md, ISO-C).
+    """The polar factor Q = U Vᵀ of `matrix` (reduced SVD M = U S Vᵀ; docs/strategies.md, `isoc`).
 
     `matrix` is (m, n) or a batch (..., m, n); the result has its shape and dtype and is
     computed in float64. `method` as in `polar64` (default: QDWH on CUDA, Gram + eigh with an
@@ -300,8 +386,22 @@ def polar_with_orthonormal_block(x: Tensor, q: Tensor) -> Tensor:
 
 
 def mean64(deltas: Sequence[Tensor]) -> Tensor:
-    """(1/R) Σ_r Δ_r accumulated in float64 (any shapes, all equal)."""
-    total = deltas[0].to(torch.float64, copy=True)
-    for delta in deltas[1:]:
-        total += delta
+    """(1/R) Σ_r Δ_r accumulated in float64, replicas in order (any shapes, all equal).
+
+    Large tensors are summed a chunk of rows at a time, so that the float64 partial sums stay
+    in cache while every replica is added (the same additions, in the same order)."""
+    first = deltas[0]
+    total = torch.empty(first.shape, dtype=torch.float64, device=first.device)
+    if first.dim() < 2 or first.is_cuda or first.numel() <= _MEAN_CHUNK_ROWS * first.shape[-1]:
+        total.copy_(first)
+        for delta in deltas[1:]:
+            total += delta
+        return total.div_(len(deltas))
+    rows = [d.reshape(-1, first.shape[-1]) for d in deltas]
+    out = total.view(-1, first.shape[-1])
+    for start in range(0, out.shape[0], _MEAN_CHUNK_ROWS):
+        chunk = out[start:start + _MEAN_CHUNK_ROWS]
+        chunk.copy_(rows[0][start:start + _MEAN_CHUNK_ROWS])
+        for r in rows[1:]:
+            chunk += r[start:start + _MEAN_CHUNK_ROWS]
     return total.div_(len(deltas))

@@ -1,4 +1,4 @@
-"""TSV-Merge: task singular vectors (SPEC.md, "TSV-Merge")."""
+"""TSV-Merge: task singular vectors (docs/strategies.md, `tsv`)."""
 
 from __future__ import annotations
 

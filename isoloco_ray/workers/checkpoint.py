@@ -5,7 +5,7 @@ A checkpoint is one directory, written by every worker (Ray Train merges the wor
     state.json                 round, counters, the config (rank 0)
     global.safetensors         θ_t, the global parameters (rank 0)
     outer_NNNN.safetensors     outer momentum buffers, if any, by the outer-group rank NNNN
-                               that holds them (DESIGN.md: the owner of each tensor)
+                               that holds them (docs/design.md: the owner of each tensor)
     replica_NNNN.pt            replica NNNN's AdamW state, LR schedule and stream position
                                (its host; loaded with torch.load(weights_only=True))
     data_parallel.pt           adamw_ddp only: its one AdamW state and LR schedule (rank 0)

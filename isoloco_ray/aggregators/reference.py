@@ -1,7 +1,8 @@
-"""Plain reference versions of the merges, written straight from SPEC.md with full SVDs.
+"""Plain reference versions of the merges, written straight from docs/strategies.md with
+full SVDs.
 
 Slow and simple on purpose: the tests and benchmarks/merge.py compare the fast
-isoloco_ray.aggregators implementations with these. Everything is computed in `dtype`
+implementations of this package with these. Everything is computed in `dtype`
 (float64 unless a caller asks otherwise) and returned in the inputs' dtype.
 Also `realistic_deltas`, the synthetic pseudo-gradients both use.
 """
@@ -44,7 +45,7 @@ def ref_mean(deltas: list[Tensor], dtype: torch.dtype = F64) -> Tensor:
 
 def ref_isocts(deltas: list[Tensor], common_fraction: float = 0.8,
                dtype: torch.dtype = F64) -> Tensor:
-    """ISO-CTS, SPEC.md steps 1-7."""
+    """ISO-CTS, docs/strategies.md steps 1-7."""
     r_count = len(deltas)
     d = [x.to(dtype) / r_count for x in deltas]                     # 1. scale
     c = sum(d)
@@ -52,7 +53,7 @@ def ref_isocts(deltas: list[Tensor], common_fraction: float = 0.8,
     k = min(m, n)
     k_c = math.floor(k * common_fraction)                           # 2. sizes
     t = round((k - k_c) / r_count) * r_count
-    t = min(t, (k // r_count) * r_count)  # corner SPEC.md leaves open (t > k), as the package
+    t = min(t, (k // r_count) * r_count)  # t > k: cut as the package does
     k_c = k - t
     s = t // r_count
     u_c, s_c, vh_c = svd(c, dtype)                                  # 3. common
@@ -74,7 +75,7 @@ def ref_isocts(deltas: list[Tensor], common_fraction: float = 0.8,
 
 def ref_tsv(deltas: list[Tensor], keep_fraction: float | None = None, decorrelate: bool = True,
             dtype: torch.dtype = F64) -> Tensor:
-    """TSV-Merge, SPEC.md steps 1-3."""
+    """TSV-Merge, docs/strategies.md steps 1-3."""
     rho = keep_fraction if keep_fraction is not None else 1.0 / len(deltas)
     k = min(deltas[0].shape)
     q = max(1, math.floor(rho * k))
