@@ -125,7 +125,11 @@ class ScalingConfig(_Section):
     workers_per_replica: int = Field(
         1, gt=0, description="G, workers sharing one replica data-parallel (needs V = 1)")
     use_gpu: bool = Field(False, description="one GPU per worker, NCCL collectives")
-    cpus_per_worker: float = Field(1.0, gt=0, description="logical CPUs Ray reserves per worker")
+    cpus_per_worker: float | None = Field(
+        None, gt=0, description="logical CPUs Ray reserves per worker, and torch's intra-op "
+        "threads in it (the whole part, at least 1). Unset: on a local cluster (no RAY_ADDRESS) "
+        "the cores per worker (cores // workers, at least 1); on a cluster joined through "
+        "RAY_ADDRESS, and in Tune grids, 1. A resumed run keeps the value it started with")
 
     @model_validator(mode="after")
     def _check_layout(self) -> ScalingConfig:
@@ -146,6 +150,18 @@ class ScalingConfig(_Section):
     def num_workers(self) -> int:
         """Ray Train workers: R·G/V."""
         return self.replicas * self.workers_per_replica // self.replicas_per_worker
+
+    @property
+    def worker_cpus(self) -> float:
+        """Logical CPUs each worker reserves: cpus_per_worker, or 1 while it is unset (the
+        train CLI resolves it for a local cluster first: train.with_cpus_per_worker)."""
+        return self.cpus_per_worker or 1.0
+
+    @property
+    def torch_threads(self) -> int:
+        """Torch's intra-op threads in each worker: the whole part of `worker_cpus`, at least 1
+        (what Ray gives OMP_NUM_THREADS)."""
+        return max(1, math.floor(self.worker_cpus))
 
 
 class InnerConfig(_Section):

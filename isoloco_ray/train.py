@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from isoloco_ray import strict_json
-from isoloco_ray.config import ConfigError, TrainConfig, config_differences, load_config
+from isoloco_ray.config import (ConfigError, ScalingConfig, TrainConfig, config_differences,
+                                load_config)
 from isoloco_ray.data.checks import validated_data_dir
 from isoloco_ray.data.format import DataError, split_files
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
@@ -33,6 +34,13 @@ QUIET_RAY_ENV = {
     # raylet prints a warning per burst that says nothing actionable here.
     "RAY_worker_maximum_startup_concurrency": "8",
 }
+
+# What the workers of a local cluster run with, unless this environment says otherwise. An
+# OpenMP thread that waits for its team spins (the default, ACTIVE): on a machine shared with
+# other jobs a preempted team member then stalls the others, and a worker with 2 threads on 2
+# busy cores trained 3-4x slower than one with a single thread (R=8 demo, 1 worker: 1,152 vs
+# 3,390 tok/s; PASSIVE: 4,671). Threads that sleep while they wait cost nothing of that.
+LOCAL_WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def check_writable(storage: Path, field: str = "run.storage_path") -> None:
@@ -54,18 +62,74 @@ def run_name(cfg: TrainConfig) -> str:
     return cfg.run.name or f"{cfg.outer.strategy}-R{cfg.scaling.replicas}-{stamp}"
 
 
+def joined_cluster() -> bool:
+    """Whether the run joins a cluster named by RAY_ADDRESS (e.g. under `ray job submit`)
+    rather than running on a local one."""
+    return bool(os.environ.get("RAY_ADDRESS"))
+
+
+def resolve_cpus_per_worker(scaling: ScalingConfig, *, local: bool, cores: int | None = None,
+                            cluster_cpus: float | None = None) -> float:
+    """`scaling.cpus_per_worker`, or, left unset, its default: on a local cluster the cores per
+    worker (`cores // workers`, at least 1; `cores` defaults to this machine's), on a joined
+    cluster 1 (its nodes are not this machine).
+
+    `cluster_cpus`: the logical CPUs of the local cluster when they are fixed already (a
+    cluster that is running, or `run.num_cpus`): the default then also leaves one of them to
+    Ray Data's readers (at most `(cluster_cpus - 1) // workers`, at least 1)."""
+    if scaling.cpus_per_worker is not None:
+        return scaling.cpus_per_worker
+    if not local:
+        return 1.0
+    workers = scaling.num_workers
+    cpus = max(1, (cores or os.cpu_count() or 1) // workers)
+    if cluster_cpus is not None:
+        cpus = min(cpus, max(1, int((cluster_cpus - 1) // workers)))
+    return float(cpus)
+
+
+def running_cluster_cpus() -> float | None:
+    """The logical CPUs of a Ray cluster this process is already connected to (a test's, a
+    notebook's), else None. Never imports Ray: if it is not imported, none is running."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.cluster_resources().get("CPU", 0.0)
+
+
+def with_cpus_per_worker(cfg: TrainConfig, saved: dict[str, Any] | None = None) -> TrainConfig:
+    """`cfg` with `scaling.cpus_per_worker` resolved (resolve_cpus_per_worker) for the cluster
+    this process will run on; `saved`, a resumed run's config.json, keeps the value the run
+    started with when none is given (threads change float sums: a resumed run stays the same
+    run)."""
+    if cfg.scaling.cpus_per_worker is not None:
+        return cfg
+    saved_cpus = (saved or {}).get("scaling", {}).get("cpus_per_worker")
+    if saved_cpus is not None:
+        cpus = float(saved_cpus)
+    else:
+        local = not joined_cluster()
+        running = running_cluster_cpus() if local else None
+        cpus = resolve_cpus_per_worker(cfg.scaling, local=local,
+                                       cluster_cpus=running or cfg.run.num_cpus)
+    scaling = cfg.scaling.model_copy(update={"cpus_per_worker": cpus})
+    return cfg.model_copy(update={"scaling": scaling})
+
+
 def start_ray(cfg: TrainConfig) -> None:
     """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), or start a local one
-    with more logical CPUs than cores: Ray Data's read tasks need slots beside the workers."""
+    with more logical CPUs than cores: Ray Data's read tasks need slots beside the workers.
+    An unset scaling.cpus_per_worker counts as 1 here (main resolves it first)."""
     import ray
 
     for key, value in QUIET_RAY_ENV.items():
         os.environ.setdefault(key, value)
-    if os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
+    if joined_cluster() and not ray.is_initialized():
         # A real cluster may autoscale: its CPUs now say nothing about what it can run.
         ray.init(log_to_driver=False, logging_level="ERROR")
         return
-    workers_need = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    cpus_per_worker = cfg.scaling.worker_cpus
+    workers_need = cfg.scaling.num_workers * cpus_per_worker
     if not ray.is_initialized():
         cores = os.cpu_count() or 1
         num_cpus = cfg.run.num_cpus or max(4, 2 * cores, math.ceil(workers_need + 2))
@@ -73,20 +137,30 @@ def start_ray(cfg: TrainConfig) -> None:
             raise ConfigError(
                 f"run.num_cpus ({num_cpus}) leaves no CPU for Ray Data's readers beside "
                 f"{cfg.scaling.num_workers} workers x scaling.cpus_per_worker "
-                f"({cfg.scaling.cpus_per_worker}); raise run.num_cpus to at least "
+                f"({cpus_per_worker:g}); raise run.num_cpus to at least "
                 f"{math.ceil(workers_need + 1)}")
         # Loopback only, token auth on (local_ray.py): nobody else on the network can use it.
         from isoloco_ray.local_ray import start_local_cluster
 
-        start_local_cluster(num_cpus)
+        start_local_cluster(num_cpus, runtime_env={"env_vars": {
+            key: os.environ.get(key, value) for key, value in LOCAL_WORKER_ENV.items()}})
         return
     available = ray.cluster_resources().get("CPU", 0)
-    if not os.environ.get("RAY_ADDRESS") and workers_need + 1 > available:
+    if not joined_cluster() and workers_need + 1 > available:
         raise ConfigError(
             f"the running Ray cluster has {available:g} CPUs: {cfg.scaling.num_workers} "
-            f"workers x scaling.cpus_per_worker ({cfg.scaling.cpus_per_worker}) leave none for "
+            f"workers x scaling.cpus_per_worker ({cpus_per_worker:g}) leave none for "
             "Ray Data's readers and the run would wait forever; lower "
             "scaling.cpus_per_worker (e.g. 0.5)")
+
+
+def start_line(cfg: TrainConfig, data_dir: Path) -> str:
+    """The line a run starts with: strategy, layout, threads per worker, model, length, data."""
+    workers, threads = cfg.scaling.num_workers, cfg.scaling.torch_threads
+    return (f"isoloco_ray: {cfg.outer.strategy}, R={cfg.scaling.replicas} on {workers} "
+            f"worker{'s' if workers > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}, "
+            f"model {cfg.model.preset}, {cfg.run.rounds} rounds x H={cfg.inner.steps}, "
+            f"data {data_dir}")
 
 
 def format_progress(metrics: dict[str, Any], rounds: int) -> str:
@@ -156,7 +230,7 @@ def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any
                            "kill_at": os.environ.get("ISOLOCO_RAY_KILL_AT")},
         scaling_config=ray.train.ScalingConfig(
             num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+            resources_per_worker={"CPU": cfg.scaling.worker_cpus},
             # Ranks are contiguous per node, so PACK keeps a replica's G workers (ranks
             # g·G … g·G+G-1), which all-reduce every inner step, on one node.
             placement_strategy="PACK"),
@@ -239,8 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
     resuming = (run_dir / "config.json").exists()
+    saved = json.loads((run_dir / "config.json").read_text()) if resuming else None
+    cfg = with_cpus_per_worker(cfg, saved)
     if resuming:
-        differing = config_differences(json.loads((run_dir / "config.json").read_text()), cfg)
+        differing = config_differences(saved, cfg)
         if differing:
             print(f"error: run.name: {run_dir} is a run with other settings "
                   f"({', '.join(differing)}); resume it with the same settings or choose "
@@ -253,12 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    ray_start_seconds = time.perf_counter() - started
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
-    print(f"isoloco_ray: {cfg.outer.strategy}, R={cfg.scaling.replicas} on "
-          f"{cfg.scaling.num_workers} workers, model {cfg.model.preset}, "
-          f"{cfg.run.rounds} rounds x H={cfg.inner.steps}, data {data_dir}", flush=True)
+    print(start_line(cfg, data_dir), flush=True)
     with RunLogger(cfg, run_dir) as wandb_run:
         try:
             final = fit(cfg, data_dir, run_dir, on_metrics=wandb_run.log)
@@ -273,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             after = f" after round {final['rounds']}" if final.get("rounds") else ""
             print(f"error: the run stopped{after}: {final['error']}", file=sys.stderr)
             return 1
-        summary = write_summary(cfg, final, data_dir, run_dir, time.perf_counter() - started)
+        summary = write_summary(cfg, {**final, "ray_start_seconds": ray_start_seconds},
+                                data_dir, run_dir, time.perf_counter() - started)
         wandb_run.finish(summary)
     print(f"final eval loss {summary['final_eval_loss']:.4f} (from "
           f"{summary['initial_eval_loss']:.4f}), {summary['tokens']:,} tokens, "

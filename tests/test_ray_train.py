@@ -26,9 +26,13 @@ def test_two_worker_tiny_run_writes_summary_metrics_and_model(ray_cluster, small
     assert train.main(args) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == f"summary: {tmp_path / 'tiny' / 'summary.json'}"
+    # The session's cluster has 4 logical CPUs: 2 workers get 1 each, one stays for Ray Data.
+    assert f"isoloco_ray: diloco, R=4 on 2 workers x 1 thread, model tiny, 2 rounds x H=3, " \
+        f"data {small_dataset}" in out
     assert sum(line.startswith("round ") for line in out) == 3  # initial eval + 2 rounds
 
     summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    assert summary["torch_threads"] == 1 and summary["ray_start_seconds"] >= 0
     cfg = load_config(args)
     assert summary["strategy"] == "diloco" and summary["replicas"] == 4
     assert summary["rounds"] == 2 and summary["tokens"] == 2 * cfg.tokens_per_round
@@ -105,3 +109,27 @@ def test_replicas_spread_over_ray_workers_train_like_the_local_run(ray_cluster, 
     local_summary, _ = run_local(load_config(args), small_dataset)
     assert summary["model_sha256"] == local_summary["model_sha256"]
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+
+
+def test_one_worker_takes_the_cores_and_trains_like_the_local_run(ray_cluster, small_dataset,
+                                                                  tmp_path):
+    """scaling.cpus_per_worker left unset on a local cluster: the one worker gets the machine's
+    cores (as far as the cluster's logical CPUs leave one for Ray Data), torch runs on that
+    many threads in it, and the run ends where the Ray-free run on as many threads does, bit
+    for bit (Ray Data's streams read what pyarrow reads)."""
+    import os
+
+    from isoloco_ray.workers.local import run_local
+
+    args = ["--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64",
+            "--data.batch_size=4", "--scaling.replicas=2", "--scaling.replicas_per_worker=2",
+            "--inner.steps=3", "--run.rounds=2", "--run.eval_every=2", "--run.eval_tokens=512",
+            f"--run.storage_path={tmp_path}", "--run.name=cores"]
+    assert train.main(args) == 0
+    threads = min(os.cpu_count() or 1, 3)  # the session's cluster: 4 logical CPUs
+    config = json.loads((tmp_path / "cores" / "config.json").read_text())
+    assert config["scaling"]["cpus_per_worker"] == threads  # recorded resolved
+    summary = json.loads((tmp_path / "cores" / "summary.json").read_text())
+    assert summary["torch_threads"] == threads
+    local_summary, _ = run_local(load_config(args), small_dataset, threads_per_worker=threads)
+    assert summary["model_sha256"] == local_summary["model_sha256"]

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from isoloco_ray.data.format import read_blocks, split_files
-from isoloco_ray.data.stream import (ReplicaStream, StreamPosition, pyarrow_reader,
-                                     replica_files)
+from isoloco_ray.data.stream import (ReplicaStream, StreamPosition, dataset_name,
+                                     pyarrow_reader, ray_data_reader, replica_data_config,
+                                     replica_datasets, replica_files)
 
 
 def blocks_of(files):
@@ -61,3 +62,31 @@ def test_resumed_stream_continues_with_the_next_unseen_batch(small_dataset):
     resumed = ReplicaStream(pyarrow_reader(files), seq_len=64, batch_size=3, position=position)
     for _ in range(4):
         torch.testing.assert_close(resumed.next_batch(), whole.next_batch())
+
+
+@pytest.mark.ray
+def test_ray_data_streams_read_each_replicas_shards_like_pyarrow(ray_cluster, small_dataset):
+    """What each replica reads through Ray Data (V1's reader, handed out by Train's DataConfig
+    as the workers get it) is its shards' rows in order, each with its file, as the Ray-free
+    reader gives them; the driver's DataContext flag is restored afterwards."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    flag = context.use_datasource_v2
+    files = split_files(small_dataset, "train")
+    datasets = replica_datasets(files, 3)
+    assert context.use_datasource_v2 == flag
+    (iterators,) = replica_data_config().configure(datasets, world_size=1, worker_handles=None,
+                                                   worker_node_ids=None)
+    for r in range(3):
+        ray_rows = list(ray_data_reader(iterators[dataset_name(r)], rows_per_read=7)())
+        local = list(pyarrow_reader(replica_files(files, r, 3))())
+        np.testing.assert_array_equal(np.concatenate([b.tokens for b in ray_rows]),
+                                      np.concatenate([b.tokens for b in local]))
+        assert [b.file_of(i) for b in ray_rows for i in range(len(b.tokens))] == \
+            [b.file_of(i) for b in local for i in range(len(b.tokens))]
+        stream = ReplicaStream(ray_data_reader(iterators[dataset_name(r)]), seq_len=32,
+                               batch_size=5)
+        expected = blocks_of(replica_files(files, r, 3)).reshape(-1, 32)
+        np.testing.assert_array_equal(
+            torch.cat([stream.next_batch() for _ in range(6)]).numpy(), expected[:30])

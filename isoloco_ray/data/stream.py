@@ -14,6 +14,8 @@ with its file instead of failing as an index error inside the embedding.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,14 +176,56 @@ class ReplicaStream:
 
 def replica_datasets(train_files: Sequence[Path], replicas: int) -> dict[str, ray.data.Dataset]:
     """One Ray Data dataset per replica over its own shards (order preserved when iterated),
-    each row with its shard's path (the `path` column) for error messages."""
+    each row with its shard's path (the `path` column) for error messages.
+
+    Each is one read task (`override_num_blocks=1`) of Ray Data's file-based parquet reader
+    (`parquet_datasource_v1`): it streams the replica's shards in order, and its first batch
+    arrives in about a second instead of tens of seconds. One task, not one per shard: Ray
+    Data's executor in the worker polls without pause once all of a dataset's read tasks have
+    finished while the worker has not consumed their output yet (Ray 2.60,
+    `process_completed_tasks` waits only on running tasks). With a task per shard of small data
+    that is at once, and it took half a core from every worker's training for the whole run
+    (2.3x slower rounds of the demo); a single streaming task stays running, held back by the
+    consumer, to the end of the epoch. One sequential reader per replica is far faster than
+    training consumes tokens."""
     import ray.data
 
-    return {
-        dataset_name(r): ray.data.read_parquet(
-            [str(p) for p in replica_files(train_files, r, replicas)], include_paths=True)
-        for r in range(replicas)
-    }
+    with parquet_datasource_v1():
+        return {
+            dataset_name(r): ray.data.read_parquet(
+                [str(p) for p in replica_files(train_files, r, replicas)], include_paths=True,
+                override_num_blocks=1)
+            for r in range(replicas)
+        }
+
+
+@contextlib.contextmanager
+def parquet_datasource_v1() -> Iterator[None]:
+    """`read_parquet` calls inside use Ray Data's file-based ParquetDatasource (V1).
+
+    Ray 2.60 routes read_parquet through its DataSourceV2 by default, whose every execution
+    first provisions a pool of 32 FooterReader actors (RAY_DATA_PARQUET_FOOTER_NUM_ACTORS) to
+    read the files' footers: 32 new worker processes per replica stream, each importing Ray
+    Data. On a small machine that is 15-40 s before a replica's first batch, paid by every
+    replica of the first round. V1 reads the footers in the driver when the dataset is made (a
+    couple of sampling tasks) and its read tasks deliver the first batch in about a second.
+    Both read the same rows in the same order (tests/test_stream.py). The driver's flag and
+    V1's logger (it logs its estimated batch size on the console) are restored afterwards; a
+    Ray without the flag reads as it always does."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    logger = logging.getLogger("ray.data._internal.datasource.parquet_datasource")
+    flag, level = getattr(context, "use_datasource_v2", None), logger.level
+    if flag is not None:
+        context.use_datasource_v2 = False
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if flag is not None:
+            context.use_datasource_v2 = flag
 
 
 def replica_data_config() -> Any:

@@ -417,6 +417,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     from isoloco_ray.data.stream import dataset_name, ray_data_reader
 
     cfg = TrainConfig.model_validate(loop_config["config"])
+    # Ray gives OMP_NUM_THREADS the worker's whole CPUs, but torch may have read it before, or
+    # capped it: set what the run reserved (scaling.cpus_per_worker) explicitly.
+    torch.set_num_threads(cfg.scaling.torch_threads)
     data_dir, run_dir = Path(loop_config["data_dir"]), Path(loop_config["run_dir"])
     progress = loop_config.get("progress")
     context = ray.train.get_context()
@@ -465,6 +468,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
         return None
     if warning is not None:
         summary["resume_warning"] = warning
+    summary["torch_threads"] = torch.get_num_threads()  # per worker (every rank sets alike)
     if "error" not in summary:
         export_model(trainer.model, data_dir, run_dir / "model")
     return summary
