@@ -204,7 +204,7 @@ def _progress_printer() -> Any:
 def trial_needs(cfg: TrainConfig, trial_cpus: float) -> dict[str, float]:
     """Logical resources one trial holds while it trains: its driver, its workers, data."""
     workers = cfg.scaling.num_workers
-    return {"CPU": trial_cpus + workers * cfg.scaling.cpus_per_worker + DATA_CPUS,
+    return {"CPU": trial_cpus + workers * cfg.scaling.worker_cpus + DATA_CPUS,
             "GPU": float(workers) if cfg.scaling.use_gpu else 0.0}
 
 
