@@ -12,13 +12,15 @@ from __future__ import annotations
 import difflib
 import itertools
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from isoloco_ray.config import (NAME_MAX_LEN, ConfigError, TrainConfig, build_config,
                                 check_name, field_paths, flatten, format_validation_error,
@@ -30,6 +32,11 @@ FIELD_PATHS = field_paths(TrainConfig)
 # Paths with environment references ($DATA_DIR/...) expanded when a grid is loaded, so files
 # converted from W&B sweeps keep working unchanged on another cluster.
 ENV_PATH_FIELDS = ("data.path", "run.storage_path")
+# What a scheduler can judge a running trial by: figures of the per-round reports, lower is
+# better (workers/loop.py; eval_* on evaluation rounds only, loss on every round after 0).
+ROUND_METRICS = ("eval_loss", "eval_perplexity", "loss")
+SCHEDULERS = {"asha": "asynchronous successive halving (Ray Tune's ASHAScheduler)",
+              "median": "median stopping rule (Ray Tune's MedianStoppingRule)"}
 # The grid names and places each trial's run itself.
 _GRID_OWNED = ("run.name",)
 
@@ -52,6 +59,64 @@ class TrialResources(_Strict):
     trial_cpus: float = Field(1.0, gt=0, description="logical CPUs of each trial's driver")
     max_concurrent: int | None = Field(
         None, gt=0, description="trials at once (default: as many as the cluster fits)")
+
+
+class SchedulerSpec(_Strict):
+    """`scheduler:` of a grid file: stop trials early on a per-round metric (Ray Tune's
+    ASHAScheduler or MedianStoppingRule, mode min, one time step per outer round)."""
+
+    name: str = Field(description="asha or median")
+    metric: str = Field("eval_loss", description="per-round figure to judge trials by: "
+                        + ", ".join(ROUND_METRICS))
+    grace_rounds: int = Field(1, description="rounds every trial runs before it can be stopped")
+    reduction_factor: float = Field(3.0, description="asha: 1/reduction_factor of the trials "
+                                    "go on at each rung (rungs at grace_rounds x "
+                                    "reduction_factor^k rounds)")
+    min_trials: int = Field(3, description="median: other trials needed at a round before a "
+                            "trial can be stopped there")
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if name not in SCHEDULERS:
+            known = "; ".join(f"{key}: {what}" for key, what in SCHEDULERS.items())
+            raise ValueError(f"unknown scheduler {name!r}; use one of {known}")
+        return name
+
+    @field_validator("metric")
+    @classmethod
+    def _check_metric(cls, metric: str) -> str:
+        if metric not in ROUND_METRICS:
+            raise ValueError(f"{metric!r} is not reported every round, so a scheduler cannot "
+                             f"judge running trials by it; use one of {', '.join(ROUND_METRICS)}"
+                             " (metric: ranks the finished trials, scheduler.metric stops "
+                             "running ones)")
+        return metric
+
+    @field_validator("grace_rounds", "min_trials")
+    @classmethod
+    def _at_least_one(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be a whole number >= 1 (got {value})")
+        return value
+
+    @field_validator("reduction_factor")
+    @classmethod
+    def _check_reduction(cls, value: float) -> float:
+        if not math.isfinite(value) or value <= 1:
+            raise ValueError(f"must be a finite number above 1 (got {value}); 3 keeps the best "
+                             "third of the trials at each rung")
+        return value
+
+    @model_validator(mode="after")
+    def _check_applies(self) -> SchedulerSpec:
+        # A setting the chosen scheduler ignores is most likely meant for the other one.
+        only = {"reduction_factor": "asha", "min_trials": "median"}
+        for field, owner in only.items():
+            if field in self.model_fields_set and self.name != owner:
+                raise ValueError(f"scheduler.{field} applies to name: {owner} only; remove it "
+                                 f"or set name: {owner}")
+        return self
 
 
 def check_field_path(path: str) -> str:
@@ -79,6 +144,8 @@ class GridFile(_Strict):
                                          "with the grid")
     metric: MetricSpec = MetricSpec()
     resources: TrialResources = TrialResources()
+    scheduler: SchedulerSpec | None = Field(None, description="stop trials early (asha or "
+                                            "median on a per-round metric); default: none")
 
     @field_validator("name")
     @classmethod
@@ -250,6 +317,18 @@ def build_trials(grid_file: GridFile, cli_overrides: dict[str, Any], grid_dir: P
             raise ConfigError(f"trial {trial.index} ({describe(trial.overrides)}): run.wandb "
                               "must be the same for every trial of a grid; set it in base:")
     return trials
+
+
+def check_scheduler(spec: SchedulerSpec | None, trials: list[Trial]) -> None:
+    """ConfigError unless the scheduler could stop some trial: grace_rounds must be below the
+    rounds of the longest trial (a trial is never stopped at or after its last round)."""
+    if spec is None:
+        return
+    longest = max(trial.config.run.rounds for trial in trials)
+    if spec.grace_rounds >= longest:
+        raise ConfigError(f"scheduler.grace_rounds ({spec.grace_rounds}) must be below "
+                          f"run.rounds ({longest}, the longest trial): no trial could be "
+                          "stopped; lower grace_rounds or remove scheduler:")
 
 
 def grid_directory(grid_file: GridFile, cli_overrides: dict[str, Any], name: str,

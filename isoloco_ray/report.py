@@ -2,7 +2,8 @@
 
 DIR is a grid directory (written by `python -m isoloco_ray.tune`: `grid.json` and
 `runs/<trial>/`), a single run directory, or a directory holding run directories. Everything is
-read from the runs' own files (`config.json`, `metrics.jsonl`, `summary.json`, `error.txt`), so
+read from the runs' own files (`config.json`, `metrics.jsonl`, `summary.json`, `error.txt`,
+`stopped.json`), so
 a report can be regenerated at any time, without Ray, also while a grid is still running.
 
 Written to DIR: `results.md` and `results.csv` (one row per run, best first), `eval_loss.png`
@@ -31,6 +32,7 @@ from isoloco_ray.config import check_name, flatten
 GRID_FILE = "grid.json"  # written by isoloco_ray.tune: name, metric, mode, trials
 RUNS_DIR = "runs"  # a grid's run directories
 ERROR_FILE = "error.txt"  # written by a failed grid trial: the traceback
+STOPPED_FILE = "stopped.json"  # written when a grid's scheduler stopped the trial early
 SUMMARY_METRICS = ("final_eval_loss", "final_eval_perplexity", "tokens_per_s", "seconds",
                    "train_seconds", "outer_bytes_per_round")
 # A finished run with one of these not a finite number (or null) diverged.
@@ -61,16 +63,21 @@ class RunRecord:
     summary: dict[str, Any] | None = None  # summary.json: written when the run finished
     metrics: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl, one per round
     error: str | None = None  # error.txt: why the trial failed
+    stopped: dict[str, Any] | None = None  # stopped.json: the scheduler stopped it early
     planned_strategy: str | None = None  # a grid trial's strategy, known before it starts
 
     @property
     def status(self) -> str:
-        """done, diverged (finished with a non-finite final eval loss), failed, incomplete
-        (running or interrupted) or pending (not started)."""
+        """done, diverged (finished with a non-finite final eval loss), stopped (early, by the
+        grid's scheduler), failed, incomplete (running or interrupted) or pending (not
+        started). A stopped trial that still finished (its last rounds raced the stop) is
+        done; one whose Train run failed as it was torn down is stopped."""
         if self.summary is not None:
             diverged = any(key in self.summary and finite(self.summary[key]) is None
                            for key in DIVERGED_IF_NOT_FINITE)
             return "diverged" if diverged else "done"
+        if self.stopped is not None:
+            return "stopped"
         if self.error is not None:
             return "failed"
         return "incomplete" if self.metrics else "pending"
@@ -179,6 +186,8 @@ def load_run(run_dir: Path, name: str | None = None,
         run.summary = _read_json(run_dir / "summary.json")
     if (run_dir / ERROR_FILE).is_file():
         run.error = (run_dir / ERROR_FILE).read_text()
+    if (run_dir / STOPPED_FILE).is_file():
+        run.stopped = _read_json(run_dir / STOPPED_FILE)
     run.metrics = read_metrics(run_dir / "metrics.jsonl")
     return run
 
@@ -285,13 +294,28 @@ def markdown_report(report: Report) -> str:
             f"Ranked by `{report.metric}` ({'lower' if report.mode == 'min' else 'higher'} is "
             "better). final eval loss: the validation loss at the end (for unfinished runs, the "
             "latest); seconds: the whole run, start-up included; diverged: finished with a "
-            "non-finite eval loss, ranked last.", "", markdown_table(report)]
+            "non-finite eval loss, ranked last; stopped: stopped early by the grid's "
+            "scheduler, never the best.", "", markdown_table(report)]
     failed = [run for run in report.runs if run.status == "failed"]
     if failed:
         text += ["", "## Failed", ""]
         text += [f"- `{run.name}`: {last_error_line(run.error or '')} "
                  f"(`{run.run_dir / ERROR_FILE}`)" for run in failed]
+    stopped = [run for run in report.runs if run.status == "stopped"]
+    if stopped:
+        text += ["", "## Stopped early", ""]
+        text += [f"- `{run.name}`: {stopped_reason(run)} (`{run.run_dir / STOPPED_FILE}`)"
+                 for run in stopped]
     return "\n".join(text) + "\n"
+
+
+def stopped_reason(run: RunRecord) -> str:
+    """`round 1, eval_loss 5.6400: stopped early by asha on eval_loss ...` of a stopped run."""
+    marker = run.stopped or {}
+    value = finite(marker.get("value"))
+    return (f"round {marker.get('round', '?')}, {marker.get('metric', 'metric')} "
+            + ("not a finite number" if value is None else f"{value:.4f}")
+            + f": {marker.get('reason', 'stopped early by the scheduler')}")
 
 
 def csv_table(report: Report) -> str:

@@ -4,7 +4,9 @@ Every trial of the grid file (isoloco_ray.grid) is validated, with its data, bef
 Then a Tune function trainable builds one TorchTrainer per trial (the Ray Train V2 pattern:
 `Tuner(trainer)` no longer works), its per-round metrics flow to Tune through
 `TuneReportCallback`, trials run at once as far as the cluster fits them, and a failed trial
-is recorded without stopping the others. At the end (and after `--resume` of an interrupted
+is recorded without stopping the others. With a `scheduler:` (isoloco_ray.grid.SchedulerSpec)
+Tune's ASHA or median stopping rule ends trials that fall behind, on the rounds that report
+its metric (make_scheduler). At the end (and after `--resume` of an interrupted
 grid) the results table, eval-loss plot and best config are written (isoloco_ray.report).
 
 Layout of a grid directory (`<run.storage_path>/<grid name>/`): `grid.json` (the trials),
@@ -15,11 +17,11 @@ experiment; each `--resume` gets a fresh one, `tune-resume-<n>/`), `results.md`,
 `--resume` never reads Tune's state: grid directories live on shared storage, and Tune's
 state is pickled (`tuner.pkl`, pickles inside `experiment_state-*.json`, searcher state), so a
 tampered file would run code. The grid's own JSON decides instead: `grid.json` must match the
-command line, and a trial whose run directory holds `summary.json` (finished) or `error.txt`
-(failed) is kept; the others run in a fresh Tuner under their old names, so Ray Train finds
-their run directories and continues from their last checkpoint (Ray Train reads
-`checkpoint_manager_snapshot.json`, JSON; the checkpoints load with
-`torch.load(weights_only=True)`).
+command line, and a trial whose run directory holds `summary.json` (finished), `error.txt`
+(failed) or `stopped.json` (stopped early by the grid's `scheduler:`) is kept; the others
+run in a fresh Tuner under their old names, so Ray Train finds their run directories and
+continues from their last checkpoint (Ray Train reads `checkpoint_manager_snapshot.json`,
+JSON; the checkpoints load with `torch.load(weights_only=True)`).
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ from typing import Any
 from isoloco_ray import strict_json
 from isoloco_ray.config import ConfigError, TrainConfig, check_name, parse_cli_overrides
 from isoloco_ray.data.format import DataError
-from isoloco_ray.grid import (GridFile, Trial, build_trials, describe, grid_directory,
-                              load_grid_file, validate_against_data)
-from isoloco_ray.report import (ERROR_FILE, GRID_FILE, RunRecord, finite, last_error_line,
-                                print_report, write_report)
+from isoloco_ray.grid import (GridFile, SchedulerSpec, Trial, build_trials, check_scheduler,
+                              describe, grid_directory, load_grid_file, validate_against_data)
+from isoloco_ray.report import (ERROR_FILE, GRID_FILE, STOPPED_FILE, RunRecord, finite,
+                                last_error_line, print_report, write_report)
 from isoloco_ray.train import check_writable
 
 PROG = "python -m isoloco_ray.tune"
@@ -69,6 +71,8 @@ class GridPlan:
         """grid.json: what `report` and `--resume` need to know about the grid."""
         return {"name": self.name, "metric": self.file.metric.name,
                 "mode": self.file.metric.mode, "max_concurrent": max_concurrent,
+                "scheduler": (None if self.file.scheduler is None
+                              else self.file.scheduler.model_dump(mode="json")),
                 "trials": [{"name": t.name, "strategy": t.config.outer.strategy,
                             "overrides": t.overrides,
                             "config": t.config.model_dump(mode="json")} for t in self.trials]}
@@ -104,6 +108,7 @@ def plan_grid(path: Path, cli_args: list[str], name: str | None = None,
     warnings: list[str] | None = [] if dry_run else None
     grid_dir = grid_directory(grid_file, overrides, name, warnings)
     trials = build_trials(grid_file, overrides, grid_dir, warnings)
+    check_scheduler(grid_file.scheduler, trials)
     validate_against_data(trials, warnings)
     return GridPlan(name, grid_dir, grid_file, trials, warnings or [])
 
@@ -111,6 +116,8 @@ def plan_grid(path: Path, cli_args: list[str], name: str | None = None,
 def print_plan(plan: GridPlan) -> None:
     """One line per trial: what it trains and what the grid set."""
     print(f"grid {plan.name}: {len(plan.trials)} trials -> {plan.grid_dir}")
+    if plan.file.scheduler is not None:
+        print(f"  early stopping: {describe_scheduler(plan.file.scheduler)}")
     width = max(len(t.name) for t in plan.trials)
     for trial in plan.trials:
         cfg = trial.config
@@ -166,6 +173,123 @@ def trial_name(trial: Any) -> str:
     return trial.config["trial"]["name"]
 
 
+def trial_run_dir(trial: Any) -> Path:
+    """The run directory of a Tune trial (its config's run.storage_path / run.name)."""
+    run = trial.config["trial"]["config"]["run"]
+    return Path(run["storage_path"]) / run["name"]
+
+
+def describe_scheduler(spec: SchedulerSpec) -> str:
+    """`asha on eval_loss (lower is better), judged on the rounds that report it, after 1
+    grace round, reduction factor 3`."""
+    text = (f"{spec.name} on {spec.metric} (lower is better), judged on the rounds that report "
+            f"it, after {spec.grace_rounds} grace round{'s' if spec.grace_rounds != 1 else ''}")
+    if spec.name == "asha":
+        return f"{text}, reduction factor {spec.reduction_factor:g}"
+    return f"{text}, against at least {spec.min_trials} other trials"
+
+
+# Tune's own fields of a result besides ray.tune.result.AUTO_RESULT_KEYS (time, host, config):
+# left out of stopped.json, which keeps what the trial reported.
+_TUNE_RESULT_FIELDS = ("trial_id", "experiment_tag", "done", "should_checkpoint")
+
+
+def make_scheduler(spec: SchedulerSpec, max_rounds: int) -> Any:
+    """Ray Tune's ASHAScheduler or MedianStoppingRule for `spec`, on time step `round`,
+    wrapped so that it fits trials that each run a TorchTrainer:
+
+    - it sees only the rounds that report `spec.metric` (eval_loss: the evaluation rounds,
+      every run.eval_every), never Tune's final result (the run's summary, without `round`),
+      so MedianStoppingRule never reads a result without its metric;
+    - a non-finite value (a diverging trial) reaches it as +inf, the worst value, instead of
+      NaN, which ASHA would record and never stop;
+    - PAUSE becomes CONTINUE: pausing would tear down the trial's Train run only to restart it;
+    - a trial is never stopped at its last round: it is writing its summary then;
+    - a STOP writes the trial's stopped.json before Tune stops the trial (report and
+      `--resume` read it).
+    """
+    from ray.tune.result import DEFAULT_METRIC
+    from ray.tune.schedulers import ASHAScheduler, MedianStoppingRule, TrialScheduler
+
+    if spec.name == "asha":
+        inner: TrialScheduler = ASHAScheduler(
+            time_attr="round", metric=spec.metric, mode="min", max_t=max_rounds,
+            grace_period=spec.grace_rounds, reduction_factor=spec.reduction_factor)
+    else:
+        inner = MedianStoppingRule(time_attr="round", metric=spec.metric, mode="min",
+                                   grace_period=spec.grace_rounds,
+                                   min_samples_required=spec.min_trials)
+
+    class RoundScheduler(TrialScheduler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.last: dict[Any, dict[str, Any]] = {}  # trial -> last result `inner` saw
+            self.finishing: set[Any] = set()  # trials `inner` would stop at their last round
+
+        @property
+        def metric(self) -> str:
+            # Tune refuses a result without its scheduler's metric (_validate_result_metrics)
+            # unless that is the anonymous default; rounds between evaluations and the final
+            # summary have no eval_loss, and on_trial_result sorts them out instead.
+            return DEFAULT_METRIC
+
+        def set_search_properties(self, metric: str | None, mode: str | None,
+                                  **kwargs: Any) -> bool:
+            return inner.set_search_properties(metric, mode, **kwargs)
+
+        def on_trial_add(self, controller: Any, trial: Any) -> None:
+            inner.on_trial_add(controller, trial)
+
+        def on_trial_error(self, controller: Any, trial: Any) -> None:
+            inner.on_trial_error(controller, trial)
+
+        def on_trial_remove(self, controller: Any, trial: Any) -> None:
+            inner.on_trial_remove(controller, trial)
+
+        def on_trial_result(self, controller: Any, trial: Any, result: dict) -> str:
+            if "round" not in result or spec.metric not in result or trial in self.finishing:
+                return TrialScheduler.CONTINUE
+            value = finite(result[spec.metric])
+            seen = {**result, spec.metric: math.inf if value is None else value}
+            self.last[trial] = seen
+            decision = inner.on_trial_result(controller, trial, seen)
+            if decision == TrialScheduler.STOP:
+                if result["round"] >= trial.config["trial"]["config"]["run"]["rounds"]:
+                    self.finishing.add(trial)
+                    return TrialScheduler.CONTINUE
+                write_stopped(trial, spec, result)
+                return TrialScheduler.STOP
+            return TrialScheduler.CONTINUE  # PAUSE too (see above)
+
+        def on_trial_complete(self, controller: Any, trial: Any, result: dict) -> None:
+            if trial in self.last:  # the last round it saw: Tune's final result has no round
+                inner.on_trial_complete(controller, trial, self.last.pop(trial))
+
+        def choose_trial_to_run(self, controller: Any) -> Any:
+            return inner.choose_trial_to_run(controller)
+
+        def debug_string(self) -> str:
+            return inner.debug_string()
+
+    return RoundScheduler()
+
+
+def write_stopped(trial: Any, spec: SchedulerSpec, result: dict[str, Any]) -> None:
+    """The trial's stopped.json (atomic, strict JSON): the round it was stopped at, why, and
+    what it reported then. `trial_pid` is the trial's process, gone once Tune stopped it."""
+    from ray.tune.result import AUTO_RESULT_KEYS
+
+    metrics = {key: value for key, value in result.items()
+               if key not in AUTO_RESULT_KEYS and key not in _TUNE_RESULT_FIELDS
+               and not key.startswith("config/")}
+    run_dir = trial_run_dir(trial)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    strict_json.write(run_dir / STOPPED_FILE, {
+        "round": result["round"], "scheduler": spec.name, "metric": spec.metric,
+        "value": result[spec.metric], "reason": f"stopped early by {describe_scheduler(spec)}",
+        "trial_pid": result.get("pid"), "metrics": metrics}, indent=2)
+
+
 def _progress_printer() -> Any:
     """A Tune callback printing each trial's rounds, completion and failure on the console
     (Tune's own status tables are turned off)."""
@@ -189,16 +313,24 @@ def _progress_printer() -> Any:
                       + (f"done, final eval loss {loss:.4f}" if loss is not None else
                          "diverged, final eval loss not a finite number")
                       + f", {result.get('seconds', 0.0):.0f}s", flush=True)
+            elif (trial_run_dir(trial) / STOPPED_FILE).is_file():  # the scheduler stopped it
+                marker = json.loads((trial_run_dir(trial) / STOPPED_FILE).read_text())
+                print(f"{trial_name(trial)}: stopped early at round {marker['round']} "
+                      f"({marker['metric']} {_number(marker['value'])})", flush=True)
 
         def on_trial_error(self, iteration: int, trials: list, trial: Any,
                            **info: Any) -> None:
-            run = trial.config["trial"]["config"]["run"]
-            run_dir = Path(run["storage_path"]) / run["name"]
-            error_file = run_dir / ERROR_FILE
+            error_file = trial_run_dir(trial) / ERROR_FILE
             error = error_file.read_text() if error_file.is_file() else trial.get_error() or ""
             print(f"{trial_name(trial)}: FAILED: {last_error_line(str(error))}", flush=True)
 
     return ProgressPrinter()
+
+
+def _number(value: Any) -> str:
+    """`5.4321`, or `not a finite number` (null in strict JSON)."""
+    number = finite(value)
+    return "not a finite number" if number is None else f"{number:.4f}"
 
 
 def trial_needs(cfg: TrainConfig, trial_cpus: float) -> dict[str, float]:
@@ -267,10 +399,12 @@ def quiet_tune() -> Iterator[None]:
 
 
 def unfinished_trials(trials: list[Trial]) -> list[Trial]:
-    """The trials a resume runs again: those whose run directory holds neither summary.json
-    (finished) nor error.txt (failed). Read from our own files only, never Tune's state."""
-    return [trial for trial in trials if not (trial.run_dir / SUMMARY_FILE).is_file()
-            and not (trial.run_dir / ERROR_FILE).is_file()]
+    """The trials a resume runs again: those whose run directory holds none of summary.json
+    (finished), error.txt (failed) and stopped.json (stopped early by the scheduler, which
+    stays its verdict). Read from our own files only, never Tune's state."""
+    return [trial for trial in trials
+            if not any((trial.run_dir / name).is_file()
+                       for name in (SUMMARY_FILE, ERROR_FILE, STOPPED_FILE))]
 
 
 def new_experiment_name(grid_dir: Path) -> str:
@@ -312,7 +446,8 @@ def run_grid(plan: GridPlan, max_concurrent: int | None, resume: bool) -> int:
     """Run (or resume) the grid with Ray Tune, then write and print the report.
 
     A resume runs only the unfinished trials (unfinished_trials), in a fresh Tune experiment.
-    Returns 0 when every trial finished, 1 when any failed, diverged or did not finish, 2 when
+    Returns 0 when every trial finished or was stopped early by the scheduler, 1 when any
+    failed, diverged or did not finish, 2 when
     the grid directory does not match the request."""
     manifest_path = plan.grid_dir / GRID_FILE
     todo = plan.trials
@@ -335,8 +470,8 @@ def run_grid(plan: GridPlan, max_concurrent: int | None, resume: bool) -> int:
     if todo:
         run_trials(dataclasses.replace(plan, trials=todo), max_concurrent, resume)
     else:
-        print(f"grid {plan.name}: every trial has finished or failed; nothing to resume",
-              flush=True)
+        print(f"grid {plan.name}: every trial has finished, failed or been stopped early; "
+              "nothing to resume", flush=True)
 
     report, written = write_report(plan.grid_dir)
     print_report(report, written)
@@ -362,6 +497,11 @@ def run_trials(plan: GridPlan, max_concurrent: int | None, resume: bool) -> None
           + (f" (Tune: {experiment}/)" if resume else ""), flush=True)
 
     trainable = tune.with_resources(run_trial, {"CPU": plan.file.resources.trial_cpus})
+    scheduler = None
+    if plan.file.scheduler is not None:
+        scheduler = make_scheduler(plan.file.scheduler,
+                                   max(t.config.run.rounds for t in plan.trials))
+        print(f"early stopping: {describe_scheduler(plan.file.scheduler)}", flush=True)
     export_wandb_mode(plan.trials[0].config.run.wandb)
     callbacks = [_progress_printer()]
     wandb_callback = tune_wandb_callback(plan.trials[0].config.run.wandb, plan.name)
@@ -372,7 +512,10 @@ def run_trials(plan: GridPlan, max_concurrent: int | None, resume: bool) -> None
     tuner = tune.Tuner(
         trainable,
         param_space={"trial": tune.grid_search(space)},
-        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency,
+        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, scheduler=scheduler,
+                                    # A stopped trial's actor must end (its TorchTrainer's
+                                    # controller and workers with it), not wait for reuse.
+                                    reuse_actors=False,
                                     trial_name_creator=trial_name,
                                     trial_dirname_creator=trial_name),
         run_config=tune.RunConfig(name=experiment, storage_path=str(plan.grid_dir),
@@ -382,11 +525,16 @@ def run_trials(plan: GridPlan, max_concurrent: int | None, resume: bool) -> None
 
 
 def grid_status(runs: list[RunRecord]) -> int:
-    """Print what did not finish; 0 when every trial is done, else 1."""
+    """Print what did not finish; 0 when every trial is done or was stopped early by the
+    scheduler (its verdict, not a failure), else 1."""
     counts: dict[str, int] = {}
     for run in runs:
-        if run.status != "done":
+        if run.status not in ("done", "stopped"):
             counts[run.status] = counts.get(run.status, 0) + 1
+    stopped = sum(run.status == "stopped" for run in runs)
+    if stopped:
+        print(f"{stopped} of {len(runs)} trials were stopped early by the scheduler "
+              f"({STOPPED_FILE} in their run directories)")
     if not counts:
         return 0
     print(f"{sum(counts.values())} of {len(runs)} trials are not done: "

@@ -92,7 +92,8 @@ def test_resume_selects_trials_from_run_files_and_never_reads_tune_state(
     # Every trial finished or failed: nothing runs (no Ray), the report is written.
     assert tune.main([str(path), "--resume"]) == 1
     out = capsys.readouterr().out
-    assert "grid shared: every trial has finished or failed; nothing to resume" in out
+    assert ("grid shared: every trial has finished, failed or been stopped early; nothing to "
+            "resume") in out
     assert "| 0-diloco | diloco |" in out and "1 of 2 trials are not done: 1 failed" in out
     assert (grid_dir / "runs" / "0-diloco" / "summary.json").read_bytes() == summary
     assert not marker.exists()

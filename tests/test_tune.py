@@ -192,7 +192,7 @@ def test_real_grid_runs_trials_records_a_failure_and_resumes(ray_cluster, small_
     assert tune.main([str(path), "--resume"]) == 1
     assert (grid_dir / "runs" / "0-diloco" / "summary.json").stat().st_mtime == finished
     out = capsys.readouterr().out
-    assert "every trial has finished or failed; nothing to resume" in out
+    assert "every trial has finished, failed or been stopped early; nothing to resume" in out
     assert "| 0-diloco | diloco |" in out and "1 of 3 trials are not done: 1 failed" in out
     assert not (grid_dir / "tune-resume-1").exists()
 
