@@ -81,6 +81,36 @@ def test_parameters_hash_is_order_independent_and_sensitive():
     assert checkpoint.parameters_sha256(a) != checkpoint.parameters_sha256(reshaped)
 
 
+def test_parameters_checksum_sees_every_bit_and_position():
+    """The on-device fingerprint: equal for equal bits (any name order, any memory layout),
+    different after one ulp of one value, a swap of two values (across rows, within a row, in
+    a 1-D tensor), a sign flip of a zero, a reshape."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(7, 9, generator=g)
+    params = {"w": w, "b": torch.zeros(4), "e": torch.randn(23, generator=g)}
+    base = checkpoint.parameters_checksum(params)
+    assert checkpoint.parameters_checksum(
+        {"e": params["e"].clone(), "b": torch.zeros(4), "w": w.T.contiguous().T}) == base
+    def swap(t: torch.Tensor, i: int, j: int) -> None:
+        flat = t.view(-1)
+        flat[[i, j]] = flat[[j, i]]
+
+    def one_ulp_up(t: torch.Tensor, i: int) -> None:
+        flat = t.view(-1)
+        flat[i] = torch.nextafter(flat[i], torch.tensor(math.inf))
+
+    changed = [("w", lambda t: one_ulp_up(t, 17)), ("w", lambda t: swap(t, 3, 40)),
+               ("w", lambda t: swap(t, 3, 5)), ("e", lambda t: swap(t, 0, 22)),
+               ("b", lambda t: t.__setitem__(2, -0.0))]
+    for name, change in changed:
+        other = {key: value.clone() for key, value in params.items()}
+        change(other[name])
+        assert not torch.equal(other[name].view(torch.int32), params[name].view(torch.int32))
+        assert checkpoint.parameters_checksum(other) != base, name
+    assert checkpoint.parameters_checksum({**params, "w": w.reshape(9, 7)}) != base
+    assert checkpoint.parameters_checksum({**params, "w": w.double()}) == base  # float32 bits
+
+
 @pytest.mark.parametrize("strategy", ["diloco", "tsv"])
 def test_a_nan_replica_is_left_out_of_the_merge(strategy):
     cfg = load_config(["--scaling.replicas=3", "--scaling.replicas_per_worker=3",

@@ -102,7 +102,31 @@ def parameters_sha256(params: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(params):
         tensor = params[name].detach().to("cpu", torch.float32).contiguous()
         digest.update(name.encode() + b"\0" + str(tuple(tensor.shape)).encode() + b"\0")
-        digest.update(tensor.numpy().astype("<f4", copy=False).tobytes())
+        # The array's own buffer, not a bytes copy of it (a third less time on CPU).
+        digest.update(tensor.numpy().astype("<f4", copy=False).reshape(-1).data)
+    return digest.hexdigest()
+
+
+def parameters_checksum(params: Mapping[str, torch.Tensor]) -> str:
+    """A fingerprint of the parameters' exact float32 bits computed on their device, with a
+    small copy to the host (about 1 MB at 178M): the per-round agreement check on GPUs, where
+    `parameters_sha256` would first copy every byte to the host.
+
+    Per tensor, seen as rows of its last dimension (1-D tensors: one value per row): the int64
+    sums of its float32 bit patterns along each row and each column, exact integer arithmetic
+    that does not depend on summation order. A change of any one value changes its row's sum;
+    a swap of two different values changes two row sums or, within a row, two column sums.
+    Returned as the sha256 hex digest of the names, shapes and sums."""
+    digest = hashlib.sha256()
+    sums = []
+    for name in sorted(params):
+        tensor = params[name].detach()
+        digest.update(name.encode() + b"\0" + str(tuple(tensor.shape)).encode() + b"\0")
+        bits = tensor.to(torch.float32).contiguous().view(torch.int32)
+        rows = bits.reshape(-1, bits.shape[-1] if bits.dim() > 1 else 1)
+        sums += [rows.sum(dim=1, dtype=torch.int64), rows.sum(dim=0, dtype=torch.int64)]
+    if sums:
+        digest.update(torch.cat(sums).cpu().numpy().astype("<i8", copy=False).data)
     return digest.hexdigest()
 
 

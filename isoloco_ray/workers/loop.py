@@ -156,9 +156,11 @@ class Trainer:
             optimizer.load_state_dict(saved["optimizer"])
             schedule.load_state_dict(saved["schedule"])
 
-    def check_workers_agree(self) -> str:
-        """The global parameters' hash, after checking every worker holds the same."""
-        digest = checkpoint.parameters_sha256(self.global_params)
+    def check_workers_agree(self, full: bool) -> str:
+        """The global parameters' fingerprint, after checking every worker holds the same:
+        the on-device `parameters_checksum`, or with `full` (checkpoint rounds) the sha256."""
+        digest = (checkpoint.parameters_sha256 if full
+                  else checkpoint.parameters_checksum)(self.global_params)
         hashes = all_gather_strings(digest)
         if len(set(hashes)) > 1:
             raise TrainingStopped(
@@ -332,13 +334,15 @@ class Trainer:
                 "outer_bytes_received": max(bytes_by_rank),
                 "outer_bytes_by_rank": bytes_by_rank,
                 "dropped_replicas": stats.dropped,
-                "state_hash": self.check_workers_agree(),
             }
+            saving = self.round % cfg.run.checkpoint_every == 0 or self.round == cfg.run.rounds
+            metrics["state_sha256" if saving else "state_checksum"] = \
+                self.check_workers_agree(full=saving)
             if self.round % cfg.run.eval_every == 0 or self.round == cfg.run.rounds:
                 self.last_eval_loss = self.evaluate()
                 metrics.update(eval_loss=self.last_eval_loss,
                                eval_perplexity=perplexity(self.last_eval_loss))
-            if self.round % cfg.run.checkpoint_every == 0 or self.round == cfg.run.rounds:
+            if saving:
                 with tempfile.TemporaryDirectory() as directory:
                     self.save(Path(directory))
                     env.report(metrics, Path(directory))
