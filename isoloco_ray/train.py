@@ -20,8 +20,8 @@ from typing import Any
 from isoloco_ray import strict_json
 from isoloco_ray.config import (ConfigError, ScalingConfig, TrainConfig, config_differences,
                                 load_config)
-from isoloco_ray.data.checks import validated_data_dir
-from isoloco_ray.data.format import DataError, split_files
+from isoloco_ray.data.checks import epochs, validated_data_dir
+from isoloco_ray.data.format import DataError, DatasetMeta
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
 
 # Ray's defaults print dozens of lines per run on a laptop; these keep the console to our
@@ -239,7 +239,7 @@ def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             logging_config=ray.train.LoggingConfig(log_level="ERROR")),
-        datasets=replica_datasets(split_files(data_dir, "train"), cfg.scaling.replicas),
+        datasets=replica_datasets(data_dir, cfg.scaling.replicas),
         dataset_config=replica_data_config(),
     )
 
@@ -334,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
     print(start_line(cfg, data_dir), flush=True)
+    passes = epochs(cfg, DatasetMeta.load(data_dir))
+    if passes > 1:
+        print(f"note: the run reads each replica's share of the train data {passes:.1f} times "
+              "(epochs, each in the same order)", flush=True)
     with RunLogger(cfg, run_dir) as wandb_run:
         try:
             final = fit(cfg, data_dir, run_dir, on_metrics=wandb_run.log)

@@ -122,9 +122,9 @@ def test_help_lists_every_field_with_default(capsys):
     (["--model.vocab_size=100"], "model.vocab_size (100) is smaller than the data's tokenizer "
                                  "vocabulary (384"),
     (["--data.seq_len=128"], "data.seq_len (128) is longer than the data's blocks (64 tokens)"),
-    (["--scaling.replicas=64", "--scaling.replicas_per_worker=64"],
-     "scaling.replicas (64) exceeds the train shards"),
-    (["--run.rounds=1000"], "run.rounds (1000) needs 160000 sequences per replica"),
+    (["--scaling.replicas=128", "--scaling.replicas_per_worker=128"],
+     "data.batch_size (8) is more than the 7 sequences of data.seq_len 64 that the smallest "
+     "of 128 replicas' shares"),
 ])
 def test_data_dependent_errors_exit_2_before_ray(small_dataset, capsys, no_ray, args, message):
     base = ["--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64"]

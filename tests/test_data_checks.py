@@ -15,9 +15,9 @@ import pytest
 from isoloco_ray.config import ConfigError
 from isoloco_ray.data import checks
 from isoloco_ray.data.format import DataError, DatasetMeta, read_blocks, split_files, write_blocks
-from isoloco_ray.data.stream import ReplicaStream, pyarrow_reader, replica_files
+from isoloco_ray.data.stream import ReplicaStream, pyarrow_reader, replica_ranges
 
-OK = dict(model_vocab_size=None, seq_len=64, replicas=2, sequences_per_replica=10)
+OK = dict(model_vocab_size=None, seq_len=64, replicas=2, batch_size=4)
 
 
 @pytest.fixture
@@ -62,11 +62,24 @@ def test_token_id_beyond_vocab(data: Path) -> None:
         check(data)
 
 
-def test_too_few_tokens_for_the_budget(data: Path) -> None:
-    with pytest.raises(ConfigError, match=r"run.rounds \(9\) needs 100000 sequences per replica"):
-        check(data, sequences_per_replica=100000, rounds=9)
-    with pytest.raises(ConfigError, match=r"scaling.replicas \(999\) exceeds the train shards"):
-        check(data, replicas=999)
+def test_a_share_smaller_than_a_batch_is_refused(data: Path) -> None:
+    rows = sum(s.rows for s in DatasetMeta.load(data).split("train").shards)
+    check(data, replicas=rows // 4, batch_size=4)  # fewer shards than replicas: row ranges
+    with pytest.raises(ConfigError, match=r"data.batch_size \(4\) is more than the 3 sequences "
+                                          r"of data.seq_len 64 that the smallest of"):
+        check(data, replicas=rows // 3, batch_size=4)
+
+
+def test_a_run_longer_than_the_data_reads_it_again(data: Path) -> None:
+    from isoloco_ray.config import load_config
+
+    meta = DatasetMeta.load(data)
+    rows = sum(s.rows for s in meta.split("train").shards)
+    cfg = load_config([f"--data.path={data}", "--data.seq_len=64", "--data.batch_size=4",
+                       "--scaling.replicas=2", "--inner.steps=10", "--run.rounds=30"])
+    checks.check_against_data(cfg, meta, data)  # 1,200 sequences per replica: several epochs
+    smallest = min(sum(s.rows for s in meta.split("train").shards[r::2]) for r in range(2))
+    assert checks.epochs(cfg, meta) == 1200 / smallest > 1 and rows >= 2 * smallest
 
 
 def test_missing_split(data: Path) -> None:
@@ -106,7 +119,7 @@ def test_replica_streams_deterministic_and_disjoint(small_dataset: Path) -> None
     replicas = 3
 
     def batches(r: int, n: int) -> np.ndarray:
-        stream = ReplicaStream(pyarrow_reader(replica_files(files, r, replicas)), 64, 4)
+        stream = ReplicaStream(pyarrow_reader(replica_ranges(small_dataset, r, replicas)), 64, 4)
         return np.stack([stream.next_batch().numpy() for _ in range(n)])
 
     seen = [batches(r, 3) for r in range(replicas)]
@@ -114,6 +127,7 @@ def test_replica_streams_deterministic_and_disjoint(small_dataset: Path) -> None
         np.testing.assert_array_equal(seen[r], batches(r, 3))  # deterministic
     rows = [{tuple(x) for x in s.reshape(-1, 64).tolist()} for s in seen]
     assert not (rows[0] & rows[1]) and not (rows[1] & rows[2]) and not (rows[0] & rows[2])
-    shards = [set(map(str, replica_files(files, r, replicas))) for r in range(replicas)]
+    shards = [{str(part.path) for part in replica_ranges(small_dataset, r, replicas)}
+              for r in range(replicas)]
     assert set.union(*shards) == set(map(str, files)) and sum(map(len, shards)) == len(files)
 

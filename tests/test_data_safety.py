@@ -33,7 +33,8 @@ from isoloco_ray.data.format import (
     DataError, DatasetMeta, read_blocks, split_files, verify, write_blocks,
 )
 from isoloco_ray.data.stream import (
-    ReplicaStream, pyarrow_reader, ray_data_reader, replica_datasets, replica_files,
+    ReplicaStream, ShardRange, pyarrow_reader, ray_data_reader, replica_datasets,
+    replica_ranges,
 )
 
 from isoloco_ray.testing import synthetic_documents
@@ -87,7 +88,7 @@ def data(small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def check(data_dir: Path, **kw: object) -> None:
-    settings = dict(model_vocab_size=None, seq_len=64, replicas=2, sequences_per_replica=10)
+    settings = dict(model_vocab_size=None, seq_len=64, replicas=2, batch_size=4)
     checks.check_training_data(data_dir, DatasetMeta.load(data_dir), **{**settings, **kw})
 
 
@@ -217,10 +218,11 @@ def test_stream_names_the_shard_of_an_out_of_vocabulary_id(data: Path) -> None:
     vocab = DatasetMeta.load(data).vocab_size
     files = split_files(data, "train")[:2]  # 2 x 16 blocks of 64: 8 batches of 4
     _set_token(files[1], 5, 7, vocab + 5)
-    plain = ReplicaStream(pyarrow_reader(files), 64, 4)  # vocab_size None: no check
+    ranges = [ShardRange(path) for path in files]
+    plain = ReplicaStream(pyarrow_reader(ranges), 64, 4)  # vocab_size None: no check
     for _ in range(8):
         plain.next_batch()
-    stream = ReplicaStream(pyarrow_reader(files), 64, 4, vocab_size=vocab)
+    stream = ReplicaStream(pyarrow_reader(ranges), 64, 4, vocab_size=vocab)
     for _ in range(4):
         stream.next_batch()  # the first shard is fine
     with pytest.raises(DataError, match=rf"^{re.escape(str(files[1]))}: token id {vocab + 5} is "
@@ -228,7 +230,7 @@ def test_stream_names_the_shard_of_an_out_of_vocabulary_id(data: Path) -> None:
         stream.next_batch()
     _set_token(files[0], 0, 0, -3)
     with pytest.raises(DataError, match=rf"^{re.escape(str(files[0]))}: token id -3 is outside"):
-        ReplicaStream(pyarrow_reader(files), 64, 4, vocab_size=vocab).next_batch()
+        ReplicaStream(pyarrow_reader(ranges), 64, 4, vocab_size=vocab).next_batch()
 
 
 class RecordedBatches:
@@ -258,10 +260,9 @@ def test_ray_data_reader_names_the_shard_of_each_row(data: Path) -> None:
 @pytest.mark.ray
 def test_ray_data_stream_names_the_bad_shard(ray_cluster: None, data: Path) -> None:
     vocab = DatasetMeta.load(data).vocab_size
-    files = split_files(data, "train")
-    bad = replica_files(files, 0, 2)[1]
+    bad = replica_ranges(data, 0, 2)[1].path
     _set_token(bad, 2, 0, vocab + 1)
-    dataset = replica_datasets(files, 2)["train_0"]
+    dataset = replica_datasets(data, 2)["train_0"]
     stream = ReplicaStream(ray_data_reader(dataset.iterator()), 64, 4, vocab_size=vocab)
     with pytest.raises(DataError, match=rf"{re.escape(str(bad))}: token id {vocab + 1} "):
         for _ in range(100):

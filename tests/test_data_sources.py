@@ -17,7 +17,7 @@ import pytest
 from isoloco_ray.data import prepare, sources
 from isoloco_ray.data.checks import check_layout
 from isoloco_ray.data.format import SPLITS, DataError, DatasetMeta, read_blocks, split_files, verify
-from isoloco_ray.data.stream import replica_files
+from isoloco_ray.data.stream import replica_ranges
 
 from isoloco_ray.testing import synthetic_documents
 
@@ -203,9 +203,9 @@ def test_from_npy_keeps_the_file_split(tmp_path: Path, small_dataset: Path) -> N
     # 15 whole blocks a file (960 tokens, 40 dropped), in shards of 8 and 7 blocks.
     assert [s.rows for s in train.shards] == [8, 8, 8, 7, 7, 7]
     assert (train.blocks, train.dropped_tokens) == (45, 120)
-    files = split_files(out, "train")
     for r in range(3):
-        read = np.concatenate([read_blocks(f) for f in replica_files(files, r, 3)]).ravel()
+        read = np.concatenate([read_blocks(part.path)
+                               for part in replica_ranges(out, r, 3)]).ravel()
         np.testing.assert_array_equal(read, arrays[f"train_{r:06d}.npy"][:960])
     stream = np.concatenate(list(arrays.values())[:3])
     assert train.documents == int((stream == meta.eos_id).sum())
@@ -228,7 +228,7 @@ def test_from_npy_gives_one_shard_per_worker_file_by_default(tmp_path: Path,
                          "--out", str(out), "--block-len", "64"]) == 0
     meta = DatasetMeta.load(out)
     assert [s.rows for s in meta.split("train").shards] == [10, 10, 10, 10]
-    check_layout(out, meta, seq_len=64, replicas=4, sequences_per_replica=10)
+    check_layout(out, meta, seq_len=64, replicas=4, batch_size=10)
 
 
 def test_npy_shard_plan() -> None:

@@ -133,3 +133,29 @@ def test_one_worker_takes_the_cores_and_trains_like_the_local_run(ray_cluster, s
     assert summary["torch_threads"] == threads
     local_summary, _ = run_local(load_config(args), small_dataset, threads_per_worker=threads)
     assert summary["model_sha256"] == local_summary["model_sha256"]
+
+
+def test_a_one_shard_corpus_trains_several_replicas_over_several_epochs(ray_cluster, tmp_path,
+                                                                        capsys):
+    """A small corpus prepared with default shard sizes (one train shard) trains R = 3
+    replicas, each on its own row range, for more than one epoch, and ends where the Ray-free
+    run does, bit for bit (Ray Data's row ranges and epoch restarts read what pyarrow reads)."""
+    from isoloco_ray.data.prepare import prepare_dataset
+    from isoloco_ray.testing import synthetic_documents
+    from isoloco_ray.workers.local import run_local
+
+    data = tmp_path / "one-shard"
+    prepare_dataset(synthetic_documents(150), data, vocab_size=384, block_len=64,
+                    valid_fraction=0.1, test_fraction=0.0, seed=0, source_name="synthetic")
+    assert len(split_files(data, "train")) == 1
+    args = ["--model.preset=tiny", f"--data.path={data}", "--data.seq_len=64",
+            "--data.batch_size=4", "--scaling.replicas=3", "--scaling.replicas_per_worker=3",
+            "--scaling.cpus_per_worker=1", "--inner.steps=8", "--run.rounds=3",
+            "--run.eval_every=3", "--run.eval_tokens=512", f"--run.storage_path={tmp_path}",
+            "--run.name=epochs"]
+    assert train.main(args) == 0
+    assert "note: the run reads each replica's share of the train data" in \
+        capsys.readouterr().out
+    summary = json.loads((tmp_path / "epochs" / "summary.json").read_text())
+    local_summary, _ = run_local(load_config(args), data)
+    assert summary["model_sha256"] == local_summary["model_sha256"]

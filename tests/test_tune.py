@@ -60,9 +60,9 @@ def test_dry_run_crosses_trials_with_the_grid(tmp_path, small_dataset, capsys, n
     ({"grid": {"inner.lr": [1e-3]}, "trials": [{"inner.lr": 0.1}]}, [],
      "trials[0] sets inner.lr, which grid: varies too"),
     ({"grids": {"inner.lr": [1e-3]}}, [], "grids: unknown field"),
-    ({"grid": {"scaling.replicas": [2, 64], "scaling.replicas_per_worker": [2]}}, [],
-     "trial 1 (scaling.replicas=64, scaling.replicas_per_worker=2): scaling.replicas (64) "
-     "exceeds the train shards"),
+    ({"grid": {"scaling.replicas": [2, 256], "scaling.replicas_per_worker": [2]}}, [],
+     "trial 1 (scaling.replicas=256, scaling.replicas_per_worker=2): data.batch_size (4) is "
+     "more than the 3 sequences"),
     ({"grid": {"run.wandb.project": ["x"]}}, ["--run.wandb.mode=offline"], None),
 ])
 def test_grid_errors_name_trial_and_field(tmp_path, small_dataset, capsys, no_ray, monkeypatch,

@@ -32,20 +32,19 @@ from isoloco_ray import strict_json
 from isoloco_ray.config import ConfigError, TrainConfig
 from isoloco_ray.data.format import (
     META_FILE, SPLITS, STAMP_FILE, TOKEN_COLUMN, DataError, DatasetMeta, sha256_file,
-    shard_problems,
+    shard_problems, share_of_rows,
 )
 
 VERIFY_ENV = "ISOLOCO_RAY_VERIFY_DATA"
 
 
 def check_training_data(data_dir: Path, meta: DatasetMeta, *, model_vocab_size: int | None,
-                        seq_len: int, replicas: int, sequences_per_replica: int,
-                        rounds: int | None = None) -> None:
+                        seq_len: int, replicas: int, batch_size: int) -> None:
     """Every check of the module docstring; raises ConfigError (the config does not fit the
     data) or DataError (the data itself is broken), each naming the field or file."""
     vocab = model_vocab_size if model_vocab_size is not None else meta.vocab_size
     check_vocab(data_dir, meta, model_vocab_size)
-    check_layout(data_dir, meta, seq_len, replicas, sequences_per_replica, rounds)
+    check_layout(data_dir, meta, seq_len, replicas, batch_size)
     check_shards(data_dir, meta)
     max_id = scanned_max_token_id(data_dir, meta)
     if max_id is not None and max_id >= vocab:
@@ -63,8 +62,8 @@ def check_vocab(data_dir: Path, meta: DatasetMeta, model_vocab_size: int | None)
 
 
 def check_layout(data_dir: Path, meta: DatasetMeta, seq_len: int, replicas: int,
-                 sequences_per_replica: int, rounds: int | None = None) -> None:
-    """Block length, the splits training reads, one train shard per replica, enough tokens."""
+                 batch_size: int) -> None:
+    """Block length, the splits training reads, a batch in every replica's share."""
     if seq_len > meta.block_len:
         raise ConfigError(
             f"data.seq_len ({seq_len}) is longer than the data's blocks "
@@ -72,22 +71,31 @@ def check_layout(data_dir: Path, meta: DatasetMeta, seq_len: int, replicas: int,
     for split in ("train", "valid"):
         if split not in meta.splits or not meta.splits[split].shards:
             raise ConfigError(f"data.path: {data_dir} has no '{split}' split")
-    train_shards = len(meta.splits["train"].shards)
-    if train_shards < replicas:
+    available = sequences_per_share(meta, seq_len, replicas)
+    if available < batch_size:
         raise ConfigError(
-            f"scaling.replicas ({replicas}) exceeds the train shards of "
-            f"{data_dir} ({train_shards}); every replica reads its own shards: use at most "
-            f"{train_shards} replicas or prepare smaller shards")
-    # Replica r reads shards r::R: the smallest share bounds what every replica can consume.
+            f"data.batch_size ({batch_size}) is more than the {available} sequences of "
+            f"data.seq_len {seq_len} that the smallest of {replicas} replicas' shares of "
+            f"{data_dir}'s train split holds; lower data.batch_size or scaling.replicas, or "
+            "use more data")
+
+
+def sequences_per_share(meta: DatasetMeta, seq_len: int, replicas: int) -> int:
+    """Sequences of `seq_len` tokens in the smallest replica's share of the train split
+    (format.share_of_rows): what every replica reads in one epoch."""
     rows = [s.rows for s in meta.splits["train"].shards]
-    per_replica_blocks = min(sum(rows[r::replicas]) for r in range(replicas))
-    available = per_replica_blocks * (meta.block_len // seq_len)
-    if sequences_per_replica > available:
-        label = "run.rounds" if rounds is None else f"run.rounds ({rounds})"
-        raise ConfigError(
-            f"{label} needs {sequences_per_replica} sequences per replica but "
-            f"{data_dir} holds about {available} per replica at data.seq_len "
-            f"{seq_len}; lower run.rounds / run.token_budget or use more data")
+    per_replica_blocks = min(
+        sum((rows[index] if stop is None else stop) - start
+            for index, start, stop in share_of_rows(rows, replica, replicas))
+        for replica in range(replicas))
+    return per_replica_blocks * (meta.block_len // seq_len)
+
+
+def epochs(cfg: TrainConfig, meta: DatasetMeta) -> float:
+    """How many times the run reads the smallest replica's share of the train split (more
+    than 1: it starts over, in the same order, when a share is used up)."""
+    sequences = cfg.run.rounds * cfg.inner.steps * cfg.data.batch_size
+    return sequences / sequences_per_share(meta, cfg.data.seq_len, cfg.scaling.replicas)
 
 
 def check_shards(data_dir: Path, meta: DatasetMeta) -> None:
@@ -189,8 +197,7 @@ def check_against_data(cfg: TrainConfig, meta: DatasetMeta, data_dir: Path) -> N
     ConfigError, or DataError for a broken dataset."""
     check_training_data(
         data_dir, meta, model_vocab_size=cfg.model.vocab_size, seq_len=cfg.data.seq_len,
-        replicas=cfg.scaling.replicas, rounds=cfg.run.rounds,
-        sequences_per_replica=cfg.run.rounds * cfg.inner.steps * cfg.data.batch_size)
+        replicas=cfg.scaling.replicas, batch_size=cfg.data.batch_size)
 
 
 def validated_data_dir(cfg: TrainConfig) -> Path:

@@ -22,6 +22,7 @@ import hashlib
 import os
 import re
 import uuid
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -167,6 +168,28 @@ def split_files(data_dir: str | os.PathLike[str], split: str) -> list[Path]:
     """The shard paths of ``split``, in order, as recorded in meta.json."""
     meta = DatasetMeta.load(data_dir)
     return [Path(data_dir) / s.file for s in meta.split(split).shards]
+
+
+def share_of_rows(rows: Sequence[int], replica: int,
+                  replicas: int) -> list[tuple[int, int, int | None]]:
+    """What replica `replica` of `replicas` reads of train shards holding `rows` rows each, as
+    (shard index, first row, end row or None for the whole shard), in reading order.
+
+    With at least one shard per replica: the whole shards r::R. With fewer: the shards' rows
+    in order, cut into R contiguous ranges of ⌊N/R⌋ or ⌈N/R⌉ rows (replica r: rows
+    r·N//R … (r+1)·N//R − 1 of all N), each split where a shard ends. Either way the shares
+    are disjoint, cover the data, and depend only on the shards and R."""
+    if len(rows) >= replicas:
+        return [(index, 0, None) for index in range(replica, len(rows), replicas)]
+    total = sum(rows)
+    first, end = replica * total // replicas, (replica + 1) * total // replicas
+    share, offset = [], 0
+    for index, count in enumerate(rows):
+        start, stop = max(first, offset), min(end, offset + count)
+        if start < stop:
+            share.append((index, start - offset, stop - offset))
+        offset += count
+    return share
 
 
 def load_tokenizer(data_dir: str | os.PathLike[str]) -> Any:

@@ -1,12 +1,14 @@
 """Each replica's training data: a disjoint, deterministic, resumable sequence of token batches.
 
-Replica r of R owns the train shards `files[r::R]` (whole parquet files, in order), whatever the
-worker layout, so moving replicas between workers never changes what they train on. On Ray the
-shards are read by Ray Data (`read_parquet`, order preserved, one unsplit dataset per replica,
-read only by the worker that hosts it: `replica_data_config`); without Ray (tests,
-single-process loops) the same files are read with pyarrow. Both feed `ReplicaStream`, which
-cuts blocks into sequences, groups them into batches and counts what it consumed, since Ray Data
-cannot resume mid-epoch.
+Replica r of R owns the train shards `files[r::R]` (whole parquet files, in order) or, when there
+are fewer shards than replicas, the r-th of R contiguous, near-equal row ranges of all shards
+(`format.share_of_rows`), whatever the worker layout, so moving replicas between workers never
+changes what they train on. A run longer than a replica's share reads it again, in the same
+order (epochs). On Ray the shards are read by Ray Data (`read_parquet`, order preserved, one
+unsplit dataset per replica, read only by the worker that hosts it: `replica_data_config`);
+without Ray (tests, single-process loops) the same files are read with pyarrow. Both feed
+`ReplicaStream`, which cuts blocks into sequences, groups them into batches and counts what it
+consumed, since Ray Data cannot resume mid-epoch.
 Readers yield `ShardBlocks`: the rows and the shard file of each row (Ray Data's `path` column),
 so that a token id outside the model's vocabulary, checked as every batch is read, is reported
 with its file instead of failing as an index error inside the embedding.
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from isoloco_ray.data.format import DataError, read_blocks
+from isoloco_ray.data.format import DataError, DatasetMeta, read_blocks, share_of_rows
 
 if TYPE_CHECKING:
     import ray.data
@@ -49,14 +51,25 @@ EpochReader = Callable[[], Iterable[ShardBlocks]]
 PATH_COLUMN = "path"
 
 
-def replica_files(train_files: Sequence[Path], replica: int, replicas: int) -> list[Path]:
-    """The train shards replica `replica` of `replicas` reads, in order."""
-    if len(train_files) < replicas:
-        raise ValueError(
-            f"the train split has {len(train_files)} shards but scaling.replicas is {replicas}: "
-            "each replica needs at least one shard; prepare the data with smaller shards "
-            "(--shard-blocks) or use fewer replicas")
-    return list(train_files[replica::replicas])
+@dataclass(frozen=True)
+class ShardRange:
+    """Rows [start, stop) of one train shard; stop None: to the shard's end."""
+
+    path: Path
+    start: int = 0
+    stop: int | None = None
+
+    @property
+    def whole(self) -> bool:
+        """Whether the range is the whole shard."""
+        return self.start == 0 and self.stop is None
+
+
+def replica_ranges(data_dir: Path, replica: int, replicas: int) -> list[ShardRange]:
+    """The train rows replica `replica` of `replicas` reads (`share_of_rows`), in order."""
+    shards = DatasetMeta.load(data_dir).split("train").shards
+    return [ShardRange(Path(data_dir) / shards[index].file, start, stop)
+            for index, start, stop in share_of_rows([s.rows for s in shards], replica, replicas)]
 
 
 def dataset_name(replica: int) -> str:
@@ -64,21 +77,41 @@ def dataset_name(replica: int) -> str:
     return f"train_{replica}"
 
 
-def pyarrow_reader(files: Sequence[Path]) -> EpochReader:
-    """An epoch reader over local parquet shards, without Ray."""
-    return lambda: (ShardBlocks(read_blocks(path), str(path)) for path in files)
+def pyarrow_reader(ranges: Sequence[ShardRange]) -> EpochReader:
+    """An epoch reader over row ranges of local parquet shards, without Ray."""
+    return lambda: (ShardBlocks(read_blocks(part.path)[part.start:part.stop], str(part.path))
+                    for part in ranges)
 
 
-def ray_data_reader(iterator: Any, rows_per_read: int = 256) -> EpochReader:
+def ray_data_reader(iterator: Any, ranges: Sequence[ShardRange] = (),
+                    rows_per_read: int = 256) -> EpochReader:
     """An epoch reader over a Ray Data `DataIterator` of a replica's shards (read with
-    `include_paths=True`, as `replica_datasets` does, so every row names its shard)."""
+    `include_paths=True`, as `replica_datasets` does, so every row names its shard).
+
+    `ranges`: the replica's share (`replica_ranges`). Of a shard only partly in it the dataset
+    reads every row, in order, and the rows outside the range are dropped here, counted per
+    file (only small corpora, with fewer shards than replicas, have such shards)."""
+    partial = {str(part.path): part for part in ranges if not part.whole}
 
     def epoch() -> Iterator[ShardBlocks]:
+        rows_seen: dict[str, int] = {}  # per partial shard: its rows read so far this epoch
         for batch in iterator.iter_batches(batch_size=rows_per_read, batch_format="numpy",
                                            prefetch_batches=2):
             files = batch.get(PATH_COLUMN)
-            yield ShardBlocks(np.stack(batch["tokens"]),
-                              "a train shard (no path column)" if files is None else files)
+            tokens = np.stack(batch["tokens"])
+            if partial and files is not None:
+                keep = np.ones(len(tokens), dtype=bool)
+                for name, part in partial.items():
+                    where = np.flatnonzero(files == name)
+                    index = rows_seen.get(name, 0) + np.arange(len(where))
+                    rows_seen[name] = rows_seen.get(name, 0) + len(where)
+                    stop = part.stop if part.stop is not None else np.iinfo(np.int64).max
+                    keep[where] = (index >= part.start) & (index < stop)
+                tokens, files = tokens[keep], files[keep]
+                if not len(tokens):
+                    continue
+            yield ShardBlocks(tokens, "a train shard (no path column)" if files is None
+                              else files)
 
     return epoch
 
@@ -174,9 +207,10 @@ class ReplicaStream:
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
-def replica_datasets(train_files: Sequence[Path], replicas: int) -> dict[str, ray.data.Dataset]:
-    """One Ray Data dataset per replica over its own shards (order preserved when iterated),
-    each row with its shard's path (the `path` column) for error messages.
+def replica_datasets(data_dir: Path, replicas: int) -> dict[str, ray.data.Dataset]:
+    """One Ray Data dataset per replica over the shards of its share (`replica_ranges`; order
+    preserved when iterated), each row with its shard's path (the `path` column) for error
+    messages and for `ray_data_reader`'s row ranges.
 
     Each is one read task (`override_num_blocks=1`) of Ray Data's file-based parquet reader
     (`parquet_datasource_v1`): it streams the replica's shards in order, and its first batch
@@ -193,8 +227,9 @@ def replica_datasets(train_files: Sequence[Path], replicas: int) -> dict[str, ra
     with parquet_datasource_v1():
         return {
             dataset_name(r): ray.data.read_parquet(
-                [str(p) for p in replica_files(train_files, r, replicas)], include_paths=True,
-                override_num_blocks=1)
+                list(dict.fromkeys(str(part.path) for part in replica_ranges(data_dir, r,
+                                                                             replicas))),
+                include_paths=True, override_num_blocks=1)
             for r in range(replicas)
         }
 

@@ -18,8 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from isoloco_ray.config import TrainConfig
-from isoloco_ray.data.format import split_files
-from isoloco_ray.data.stream import pyarrow_reader, replica_files
+from isoloco_ray.data.stream import pyarrow_reader, replica_ranges
 from isoloco_ray.workers.loop import Metrics, Trainer, WorkerEnv
 
 
@@ -37,7 +36,6 @@ def local_env(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1,
     (every rank's files into one directory, as Ray Train does); `stop_after` interrupts the
     run right after that round's report. `device`: where the model runs (one worker).
     """
-    train_files = split_files(data_dir, "train")
 
     def report(metrics: Metrics, checkpoint_dir: Path | None) -> None:
         if reports is not None:
@@ -50,7 +48,7 @@ def local_env(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1,
 
     return WorkerEnv(
         rank=rank, world=world, device=torch.device(device),
-        read_epoch=lambda r: pyarrow_reader(replica_files(train_files, r, cfg.scaling.replicas)),
+        read_epoch=lambda r: pyarrow_reader(replica_ranges(data_dir, r, cfg.scaling.replicas)),
         report=report, restore_from=restore_from,
     )
 

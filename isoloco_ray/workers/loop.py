@@ -418,7 +418,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     import ray.train
     import ray.train.torch
 
-    from isoloco_ray.data.stream import dataset_name, ray_data_reader
+    from isoloco_ray.data.stream import dataset_name, ray_data_reader, replica_ranges
 
     cfg = TrainConfig.model_validate(loop_config["config"])
     # Ray gives OMP_NUM_THREADS the worker's whole CPUs, but torch may have read it before, or
@@ -441,7 +441,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
             rank=rank,
             world=context.get_world_size(),
             device=ray.train.torch.get_device(),
-            read_epoch=lambda r: ray_data_reader(ray.train.get_dataset_shard(dataset_name(r))),
+            read_epoch=lambda r: ray_data_reader(
+                ray.train.get_dataset_shard(dataset_name(r)),
+                replica_ranges(data_dir, r, cfg.scaling.replicas)),
             report=report,
             restore_from=restore_from,
             after_replica=kill_once_hook(loop_config.get("kill_at")),
