@@ -3,8 +3,9 @@
 A grid file holds a `base:` training config (the sections of the train CLI), a `grid:` mapping
 dotted field paths to lists of values (their Cartesian product), and optionally `trials:`
 (explicit combinations, e.g. a strategy with its own tuned lr), each crossed with the grid.
-Every trial is validated as a TrainConfig and against its data here, before Ray starts; no Ray
-import in this module.
+With `search:` each of those trials is a point that Optuna searches around instead
+(SearchSpec, Search): `samples` proposals per point. Every trial is validated as a
+TrainConfig and against its data here, before Ray starts; no Ray import in this module.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ ENV_PATH_FIELDS = ("data.path", "run.storage_path")
 ROUND_METRICS = ("eval_loss", "eval_perplexity", "loss")
 SCHEDULERS = {"asha": "asynchronous successive halving (Ray Tune's ASHAScheduler)",
               "median": "median stopping rule (Ray Tune's MedianStoppingRule)"}
+SEARCH_ALGOS = {"optuna": "Optuna's TPE sampler through Ray Tune's OptunaSearch"}
+# Fields a search may not vary: they decide the trial's data and the resources Tune reserves
+# for it, which are checked and sized before Ray starts; vary them in grid: or trials:.
+_NOT_SEARCHED = ("data.path", "run.storage_path", "scaling.")
 # The grid names and places each trial's run itself.
 _GRID_OWNED = ("run.name",)
 
@@ -119,6 +124,129 @@ class SchedulerSpec(_Strict):
         return self
 
 
+class SearchDimension(_Strict):
+    """One field of `search.space`: exactly one of `uniform: [low, high]`,
+    `loguniform: [low, high]` (low > 0) or `choice: [values]`."""
+
+    uniform: tuple[float, float] | None = None
+    loguniform: tuple[float, float] | None = None
+    choice: list[str | int | float | bool | None] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> SearchDimension:
+        given = [kind for kind in ("uniform", "loguniform", "choice")
+                 if getattr(self, kind) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of uniform: [low, high], loguniform: [low, high] "
+                             f"or choice: [values] (got {', '.join(given) or 'none'})")
+        if self.choice is not None:
+            if not self.choice:
+                raise ValueError("choice: an empty list proposes nothing")
+            if len({json.dumps(value) for value in self.choice}) < len(self.choice):
+                raise ValueError(f"choice: {self.choice} repeats a value; list each once")
+            return self
+        low, high = self.bounds
+        if not (math.isfinite(low) and math.isfinite(high)) or low >= high:
+            raise ValueError(f"{self.kind}: [{low}, {high}] must be two finite numbers, low < "
+                             "high")
+        if self.loguniform is not None and low <= 0:
+            raise ValueError(f"loguniform: low must be above 0 (got {low}); use uniform: for a "
+                             "range from 0")
+        return self
+
+    @property
+    def kind(self) -> str:
+        """uniform, loguniform or choice."""
+        return next(k for k in ("uniform", "loguniform", "choice") if getattr(self, k) is not None)
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """(low, high) of a uniform or loguniform range."""
+        return self.uniform or self.loguniform  # type: ignore[return-value]
+
+    def extremes(self) -> list[Any]:
+        """The values that decide whether every proposal is valid: a range's bounds (the
+        config's limits are ranges too), or every choice."""
+        return list(self.choice) if self.choice is not None else list(self.bounds)
+
+    def describe(self) -> str:
+        """`loguniform [0.0001, 0.01]`, `choice [a, b]`."""
+        shown = [f"{v:g}" if isinstance(v, float) else str(v) for v in self.extremes()]
+        return f"{self.kind} [{', '.join(shown)}]"
+
+
+class SearchSpec(_Strict):
+    """`search:` of a grid file: instead of running each trial (grid point) once, propose
+    `samples` variations of it from a seeded Optuna searcher over `space`."""
+
+    algo: str = Field("optuna", description=", ".join(SEARCH_ALGOS))
+    samples: int = Field(description="trials proposed for each grid point (trial)")
+    seed: int = Field(0, description="seeds the sampler: the same file and seed propose the "
+                      "same trials")
+    space: dict[str, SearchDimension] = Field(description="field path -> {uniform: [low, "
+                                              "high]} | {loguniform: [low, high]} | {choice: "
+                                              "[values]}")
+
+    @field_validator("algo")
+    @classmethod
+    def _check_algo(cls, algo: str) -> str:
+        if algo not in SEARCH_ALGOS:
+            known = "; ".join(f"{key}: {what}" for key, what in SEARCH_ALGOS.items())
+            raise ValueError(f"unknown search algo {algo!r}; use {known}")
+        return algo
+
+    @field_validator("samples")
+    @classmethod
+    def _check_samples(cls, samples: int) -> int:
+        if samples < 1:
+            raise ValueError(f"must be a whole number >= 1 (got {samples}): the trials "
+                             "proposed for each grid point")
+        return samples
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, seed: int) -> int:
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"must be a whole number from 0 to 2**32 - 1 (got {seed})")
+        return seed
+
+    @field_validator("space")
+    @classmethod
+    def _check_space(cls, space: dict[str, SearchDimension]) -> dict[str, SearchDimension]:
+        if not space:
+            raise ValueError("an empty space has nothing to search; name at least one field, "
+                             "e.g. inner.lr: {loguniform: [1.0e-4, 1.0e-2]}")
+        for path, dimension in space.items():
+            check_field_path(path)
+            if path.startswith(_NOT_SEARCHED):
+                raise ValueError(f"{path} cannot be searched (it decides the trial's data or "
+                                 "resources, checked before Ray starts); vary it in grid: or "
+                                 "trials:")
+            kinds = _field_types(path)
+            if dimension.kind != "choice" and float not in kinds:
+                what = "whole numbers" if int in kinds else "no numbers"
+                raise ValueError(f"{path} takes {what} but {dimension.kind} proposes "
+                                 f"fractions; use choice: [...] for {path}")
+        return space
+
+    def describe(self) -> str:
+        """`optuna, 8 samples per grid point, seed 0`."""
+        return (f"{self.algo}, {self.samples} sample{'s' if self.samples != 1 else ''} per "
+                f"grid point, seed {self.seed}")
+
+
+def _field_types(path: str) -> tuple[Any, ...]:
+    """The types the TrainConfig field at `path` takes (`int | None`: int, NoneType)."""
+    import typing
+
+    model: Any = TrainConfig
+    *sections, name = path.split(".")
+    for section in sections:
+        model = model.model_fields[section].annotation
+    annotation = model.model_fields[name].annotation
+    return typing.get_args(annotation) or (annotation,)
+
+
 def check_field_path(path: str) -> str:
     """`path` if it names a field of TrainConfig, else ValueError with the closest one."""
     if path in FIELD_PATHS:
@@ -146,6 +274,8 @@ class GridFile(_Strict):
     resources: TrialResources = TrialResources()
     scheduler: SchedulerSpec | None = Field(None, description="stop trials early (asha or "
                                             "median on a per-round metric); default: none")
+    search: SearchSpec | None = Field(None, description="propose samples around each trial "
+                                      "with Optuna instead of running it once; default: none")
 
     @field_validator("name")
     @classmethod
@@ -284,39 +414,154 @@ class Trial:
 
 def build_trials(grid_file: GridFile, cli_overrides: dict[str, Any], grid_dir: Path,
                  warnings: list[str] | None = None) -> list[Trial]:
-    """Every trial as a validated TrainConfig whose run lives under `grid_dir/runs/`.
+    """Every trial as a validated TrainConfig whose run lives under `grid_dir/runs/` (with
+    `search:`, the points that are searched: Search).
 
     `cli_overrides` (nested, from --section.field=value) change the base; setting a field the
-    grid varies is an error. Raises ConfigError naming the trial and the field. `warnings`
-    (a dry run): an unset environment variable in a path is a warning there, not an error."""
+    grid varies or searches is an error. Raises ConfigError naming the trial and the field.
+    `warnings` (a dry run): an unset environment variable in a path is a warning there, not
+    an error."""
     expanded = expand(grid_file)
-    varied = {path for overrides in expanded for path in overrides}
+    set_by_grid = {path for overrides in expanded for path in overrides}
+    searched = set(grid_file.search.space) if grid_file.search is not None else set()
+    clash = sorted(searched & set_by_grid)
+    if clash:
+        raise ConfigError(f"search.space.{clash[0]}: grid: or trials: set this field too; "
+                          "search it or set it, in one place")
     for path in flatten(cli_overrides):
-        if path in varied:
+        if path in set_by_grid | searched:
             raise ConfigError(f"--{path}: the grid varies this field; change it in the grid "
                               "file instead")
     base = merge_nested(grid_file.base, cli_overrides)
-    configs = []
-    for index, overrides in enumerate(expanded):
-        try:
-            values = expand_env_paths(merge_nested(base, nest(overrides)), warnings)
-            configs.append(build_config(values))
-        except ConfigError as exc:
-            raise ConfigError(f"trial {index} ({describe(overrides)}): " + str(exc).replace(
-                "\n", f"\ntrial {index}: ")) from None
+    configs = [_build_config(base, overrides, index, warnings)
+               for index, overrides in enumerate(expanded)]
     width = len(str(len(expanded) - 1))
     fields = distinguishing_fields([cfg.outer.strategy for cfg in configs], expanded)
     trials = []
     for index, (overrides, cfg) in enumerate(zip(expanded, configs)):
         name = trial_name(index, width, cfg.outer.strategy, overrides, fields)
-        run = cfg.run.model_copy(update={"name": name, "storage_path": grid_dir / "runs"})
-        trials.append(Trial(index, name, overrides, cfg.model_copy(update={"run": run})))
+        trials.append(Trial(index, name, overrides, _placed(cfg, name, grid_dir / "runs")))
     first_wandb = trials[0].config.run.wandb
     for trial in trials:
         if trial.config.run.wandb != first_wandb:
             raise ConfigError(f"trial {trial.index} ({describe(trial.overrides)}): run.wandb "
                               "must be the same for every trial of a grid; set it in base:")
     return trials
+
+
+def _build_config(base: dict[str, Any], overrides: dict[str, Any], index: int,
+                  warnings: list[str] | None) -> TrainConfig:
+    """`base` with a trial's `overrides` as a TrainConfig; ConfigError naming the trial."""
+    try:
+        return build_config(expand_env_paths(merge_nested(base, nest(overrides)), warnings))
+    except ConfigError as exc:
+        raise ConfigError(f"trial {index} ({describe(overrides)}): " + str(exc).replace(
+            "\n", f"\ntrial {index}: ")) from None
+
+
+def _placed(cfg: TrainConfig, name: str, runs_dir: Path) -> TrainConfig:
+    """`cfg` whose run is `runs_dir/name`."""
+    return cfg.model_copy(update={"run": cfg.run.model_copy(
+        update={"name": name, "storage_path": runs_dir})})
+
+
+@dataclass
+class Search:
+    """A grid's `search:`, ready to propose trials: each of the grid's trials is a point,
+    searched `spec.samples` times; proposal `sample` of `point` is trial number
+    point x samples + sample, so its name does not depend on when it was proposed."""
+
+    spec: SearchSpec
+    base: dict[str, Any]  # the grid file's base with the command line's overrides
+    points: list[Trial]
+    point_fields: set[str]  # what tells the points apart (their names)
+
+    @property
+    def count(self) -> int:
+        """Trials the whole search runs."""
+        return len(self.points) * self.spec.samples
+
+    def name(self, point: int, sample: int, proposal: dict[str, Any]) -> str:
+        """The trial name of `proposal` at `point`: its number, strategy, what tells the points
+        apart and the proposal's values (3 significant digits); the same for the same
+        proposal, whenever it is made."""
+        source = self.points[point]
+        proposal = self._ordered(proposal)
+        shown = {**source.overrides,
+                 **{path: f"{value:.3g}" if isinstance(value, float) else value
+                    for path, value in proposal.items()}}
+        strategy = proposal.get("outer.strategy", source.config.outer.strategy)
+        return trial_name(point * self.spec.samples + sample, len(str(self.count - 1)),
+                          str(strategy), shown, self.point_fields | set(proposal))
+
+    def trial(self, point: int, sample: int, proposal: dict[str, Any]) -> Trial:
+        """The trial of `proposal` (field path -> value) at `point`, validated as a
+        TrainConfig (ConfigError naming the trial and the field), in the grid's runs/ like a
+        grid trial."""
+        source = self.points[point]
+        index = point * self.spec.samples + sample
+        overrides = {**source.overrides, **self._ordered(proposal)}
+        cfg = _build_config(self.base, overrides, index, None)
+        name = self.name(point, sample, proposal)
+        return Trial(index, name, overrides,
+                     _placed(cfg, name, source.config.run.storage_path), source.data_dir)
+
+    def _ordered(self, proposal: dict[str, Any]) -> dict[str, Any]:
+        # In the space's order (Optuna returns its parameters sorted): names read as the
+        # file does.
+        return {path: proposal[path] for path in sorted(proposal, key=list(self.spec.space)
+                                                       .index)}
+
+    def probes(self) -> list[tuple[str, Trial]]:
+        """(search.space field, trial) for every point at each bound (or choice) of each
+        field, the other fields at their lowest: whether every proposal can be valid."""
+        probes = []
+        for point in range(len(self.points)):
+            for path, dimension in self.spec.space.items():
+                for value in dimension.extremes():
+                    proposal = {other: dim.extremes()[0] for other, dim in self.spec.space.items()}
+                    proposal[path] = value
+                    try:
+                        probes.append((path, self.trial(point, 0, proposal)))
+                    except ConfigError as exc:
+                        raise ConfigError(f"search.space.{path}: {dimension.kind} value "
+                                          f"{value!r} is not valid: {exc}") from None
+        return probes
+
+
+def make_search(grid_file: GridFile, cli_overrides: dict[str, Any],
+                points: list[Trial]) -> Search | None:
+    """The grid's Search over its trials `points` (build_trials), or None without
+    `search:`."""
+    if grid_file.search is None:
+        return None
+    fields = distinguishing_fields([t.config.outer.strategy for t in points],
+                                   [t.overrides for t in points])
+    return Search(grid_file.search, merge_nested(grid_file.base, cli_overrides), points,
+                  fields)
+
+
+def check_search(search: Search | None, warnings: list[str] | None = None) -> list[Trial]:
+    """The probe trials of the search (Search.probes; none without one); ConfigError/
+    DataError unless each bound (and choice) of the search space gives a valid trial at every
+    point, against the points' data too: the config's limits are ranges, so a proposal
+    between valid bounds is valid. `warnings`: as in validate_against_data (a dry run)."""
+    import importlib.util
+
+    from isoloco_ray.data.format import DataError
+
+    if search is None:
+        return []
+    if importlib.util.find_spec("optuna") is None:
+        raise ConfigError("search: needs the optuna package, which is not installed; "
+                          'pip install -e ".[tune]"')
+    probes = search.probes()
+    for path, probe in probes:
+        try:
+            validate_against_data([probe], warnings)
+        except (ConfigError, DataError) as exc:
+            raise type(exc)(f"search.space.{path}: {exc}") from None
+    return [probe for _, probe in probes]
 
 
 def check_scheduler(spec: SchedulerSpec | None, trials: list[Trial]) -> None:

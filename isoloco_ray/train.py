@@ -116,10 +116,11 @@ def with_cpus_per_worker(cfg: TrainConfig, saved: dict[str, Any] | None = None) 
     return cfg.model_copy(update={"scaling": scaling})
 
 
-def start_ray(cfg: TrainConfig) -> None:
+def start_ray(cfg: TrainConfig, *, dashboard: bool = False) -> None:
     """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), or start a local one
     with more logical CPUs than cores: Ray Data's read tasks need slots beside the workers.
-    An unset scaling.cpus_per_worker counts as 1 here (main resolves it first)."""
+    An unset scaling.cpus_per_worker counts as 1 here (main resolves it first). `dashboard`:
+    a local cluster also runs Ray's dashboard (on 127.0.0.1), which serves the state API."""
     import ray
 
     for key, value in QUIET_RAY_ENV.items():
@@ -142,7 +143,7 @@ def start_ray(cfg: TrainConfig) -> None:
         # Loopback only, token auth on (local_ray.py): nobody else on the network can use it.
         from isoloco_ray.local_ray import start_local_cluster
 
-        start_local_cluster(num_cpus, runtime_env={"env_vars": {
+        start_local_cluster(num_cpus, include_dashboard=dashboard, runtime_env={"env_vars": {
             key: os.environ.get(key, value) for key, value in LOCAL_WORKER_ENV.items()}})
         return
     available = ray.cluster_resources().get("CPU", 0)

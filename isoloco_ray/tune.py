@@ -6,8 +6,11 @@ Then a Tune function trainable builds one TorchTrainer per trial (the Ray Train 
 `TuneReportCallback`, trials run at once as far as the cluster fits them, and a failed trial
 is recorded without stopping the others. With a `scheduler:` (isoloco_ray.grid.SchedulerSpec)
 Tune's ASHA or median stopping rule ends trials that fall behind, on the rounds that report
-its metric (make_scheduler). At the end (and after `--resume` of an interrupted
-grid) the results table, eval-loss plot and best config are written (isoloco_ray.report).
+its metric (make_scheduler). With a `search:` (isoloco_ray.grid.SearchSpec) each trial is a
+point that one seeded Optuna searcher per point varies `samples` times (make_searcher), each
+proposal added to grid.json as it is made. At the end (and after `--resume` of an
+interrupted grid) the results table, eval-loss plot and best config are written
+(isoloco_ray.report).
 
 Layout of a grid directory (`<run.storage_path>/<grid name>/`): `grid.json` (the trials),
 `runs/<trial>/` (each trial's training run, as the train CLI writes it), `tune/` (Tune's
@@ -21,7 +24,9 @@ command line, and a trial whose run directory holds `summary.json` (finished), `
 (failed) or `stopped.json` (stopped early by the grid's `scheduler:`) is kept; the others
 run in a fresh Tuner under their old names, so Ray Train finds their run directories and
 continues from their last checkpoint (Ray Train reads `checkpoint_manager_snapshot.json`,
-JSON; the checkpoints load with `torch.load(weights_only=True)`).
+JSON; the checkpoints load with `torch.load(weights_only=True)`). A search resumes likewise
+(search_state): fresh searchers are told the outcome of the trials over from their run files,
+and propose the samples left.
 """
 
 from __future__ import annotations
@@ -44,10 +49,11 @@ from typing import Any
 from isoloco_ray import strict_json
 from isoloco_ray.config import ConfigError, TrainConfig, check_name, parse_cli_overrides
 from isoloco_ray.data.format import DataError
-from isoloco_ray.grid import (GridFile, SchedulerSpec, Trial, build_trials, check_scheduler,
-                              describe, grid_directory, load_grid_file, validate_against_data)
-from isoloco_ray.report import (ERROR_FILE, GRID_FILE, STOPPED_FILE, RunRecord, finite,
-                                last_error_line, print_report, write_report)
+from isoloco_ray.grid import (GridFile, SchedulerSpec, Search, Trial, build_trials,
+                              check_scheduler, check_search, describe, grid_directory,
+                              load_grid_file, make_search, validate_against_data)
+from isoloco_ray.report import (ERROR_FILE, GRID_FILE, RUNS_DIR, STOPPED_FILE, RunRecord,
+                                finite, last_error_line, load_run, print_report, write_report)
 from isoloco_ray.train import check_writable
 
 PROG = "python -m isoloco_ray.tune"
@@ -55,27 +61,48 @@ TUNE_DIR = "tune"  # Tune's experiment inside the grid directory (a resume's: tu
 SUMMARY_FILE = "summary.json"  # written by a finished run
 # Logical CPUs a trial needs beyond its driver and workers: Ray Data's read tasks.
 DATA_CPUS = 1.0
+# Proposals of each grid point's searcher drawn at random (seeded) before TPE models the
+# results (Optuna's default, named so that --dry-run can say which proposals are fixed).
+STARTUP_TRIALS = 10
 
 
 @dataclass
 class GridPlan:
-    """A validated grid, ready to run."""
+    """A validated grid, ready to run. With `search:`, `trials` are the points searched and
+    `probes` the trials at the bounds of the space (grid.Search)."""
 
     name: str
     grid_dir: Path
     file: GridFile
     trials: list[Trial]
     warnings: list[str] = dataclasses.field(default_factory=list)  # a dry run's, e.g. no data
+    search: Search | None = None
+    probes: list[Trial] = dataclasses.field(default_factory=list)
 
     def manifest(self, max_concurrent: int | None) -> dict[str, Any]:
-        """grid.json: what `report` and `--resume` need to know about the grid."""
-        return {"name": self.name, "metric": self.file.metric.name,
-                "mode": self.file.metric.mode, "max_concurrent": max_concurrent,
-                "scheduler": (None if self.file.scheduler is None
-                              else self.file.scheduler.model_dump(mode="json")),
-                "trials": [{"name": t.name, "strategy": t.config.outer.strategy,
-                            "overrides": t.overrides,
-                            "config": t.config.model_dump(mode="json")} for t in self.trials]}
+        """grid.json: what `report` and `--resume` need to know about the grid. A search's
+        `trials` start empty: each is added when it is proposed (make_searcher), and `points`
+        and `search` tell --resume whether the grid is the same."""
+        manifest = {"name": self.name, "metric": self.file.metric.name,
+                    "mode": self.file.metric.mode, "max_concurrent": max_concurrent,
+                    "scheduler": (None if self.file.scheduler is None
+                                  else self.file.scheduler.model_dump(mode="json"))}
+        if self.search is None:
+            return {**manifest, "trials": [trial_entry(t) for t in self.trials]}
+        return {**manifest, "search": self.search.spec.model_dump(mode="json"),
+                "points": [trial_entry(t) for t in self.trials], "trials": []}
+
+    @property
+    def max_rounds(self) -> int:
+        """Rounds of the longest trial (a search's: of the longest a proposal can have)."""
+        return max(t.config.run.rounds for t in self.trials + self.probes)
+
+
+def trial_entry(trial: Trial, **extra: Any) -> dict[str, Any]:
+    """A trial in grid.json: its name, strategy, what the grid set, its config."""
+    return {"name": trial.name, "strategy": trial.config.outer.strategy,
+            "overrides": trial.overrides, "config": trial.config.model_dump(mode="json"),
+            **extra}
 
 
 def grid_name(path: Path, grid_file: GridFile | None, name: str | None) -> str:
@@ -108,18 +135,48 @@ def plan_grid(path: Path, cli_args: list[str], name: str | None = None,
     warnings: list[str] | None = [] if dry_run else None
     grid_dir = grid_directory(grid_file, overrides, name, warnings)
     trials = build_trials(grid_file, overrides, grid_dir, warnings)
-    check_scheduler(grid_file.scheduler, trials)
     validate_against_data(trials, warnings)
-    return GridPlan(name, grid_dir, grid_file, trials, warnings or [])
+    search = make_search(grid_file, overrides, trials)
+    probes = check_search(search, warnings)
+    check_scheduler(grid_file.scheduler, trials + probes)
+    return GridPlan(name, grid_dir, grid_file, trials, warnings or [], search, probes)
 
 
 def print_plan(plan: GridPlan) -> None:
-    """One line per trial: what it trains and what the grid set."""
-    print(f"grid {plan.name}: {len(plan.trials)} trials -> {plan.grid_dir}")
+    """One line per trial: what it trains and what the grid set. A search: the space, the
+    points searched and each point's first proposals (fixed by the seed)."""
+    if plan.search is None:
+        print(f"grid {plan.name}: {len(plan.trials)} trials -> {plan.grid_dir}")
+    else:
+        print(f"grid {plan.name}: a search of {len(plan.trials)} grid point"
+              f"{'s' if len(plan.trials) != 1 else ''} x {plan.search.spec.samples} samples = "
+              f"{plan.search.count} trials -> {plan.grid_dir}")
+        print(f"  search: {plan.search.spec.describe()}, {plan.file.metric.mode} "
+              f"{plan.file.metric.name}")
+        for path, dimension in plan.search.spec.space.items():
+            print(f"    {path}: {dimension.describe()}")
     if plan.file.scheduler is not None:
         print(f"  early stopping: {describe_scheduler(plan.file.scheduler)}")
-    width = max(len(t.name) for t in plan.trials)
-    for trial in plan.trials:
+    if plan.search is None:
+        print_trials(plan.trials)
+        return
+    print("  grid points:")
+    print_trials(plan.trials)
+    samples = plan.search.spec.samples
+    if samples > STARTUP_TRIALS:
+        print(f"  first {STARTUP_TRIALS} proposals of each point (random, fixed by the seed; "
+              "TPE proposes the rest from the results):")
+    else:  # TPE would start after STARTUP_TRIALS results: a seeded random search
+        print(f"  the {samples} proposal{'s' if samples != 1 else ''} of each point (random, "
+              f"fixed by the seed: TPE starts after {STARTUP_TRIALS}):")
+    shown = min(samples, STARTUP_TRIALS)
+    print_trials(first_proposals(plan, shown))
+
+
+def print_trials(trials: list[Trial]) -> None:
+    """One line per trial: its layout, length, learning rates and what the grid set."""
+    width = max(len(t.name) for t in trials)
+    for trial in trials:
         cfg = trial.config
         workers = cfg.scaling.num_workers
         print(f"  {trial.name:<{width}}  R={cfg.scaling.replicas} on {workers} "
@@ -290,6 +347,232 @@ def write_stopped(trial: Any, spec: SchedulerSpec, result: dict[str, Any]) -> No
         "trial_pid": result.get("pid"), "metrics": metrics}, indent=2)
 
 
+# ---------------------------------------------------------------------------------------------
+# Search: one seeded Optuna searcher per grid point
+
+
+def optuna_space(search: Search) -> dict[str, Any]:
+    """The search space as Optuna distributions, keyed by field path."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+
+    space: dict[str, Any] = {}
+    for path, dimension in search.spec.space.items():
+        if dimension.choice is not None:
+            space[path] = CategoricalDistribution(dimension.choice)
+        else:
+            low, high = dimension.bounds
+            space[path] = FloatDistribution(low, high, log=dimension.loguniform is not None)
+    return space
+
+
+def point_searcher(search: Search, metric: str, mode: str, seed: int) -> Any:
+    """Ray Tune's OptunaSearch over the space for one grid point, its TPE sampler seeded with
+    `seed`: the first STARTUP_TRIALS proposals are seeded random draws, the later ones TPE's
+    model of the results told so far."""
+    import optuna
+    from ray.tune.search.optuna import OptunaSearch
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no log line per told trial
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=STARTUP_TRIALS)
+    return OptunaSearch(space=optuna_space(search), metric=metric, mode=mode, sampler=sampler)
+
+
+def sampler_seed(seed: int, proposed: int) -> int:
+    """The samplers' seed: the file's on a fresh start; after `proposed` trials (a resume)
+    one derived from both, so that a resume does not draw the proposals it already ran, and
+    the same interrupted grid resumes the same way."""
+    return seed if proposed == 0 else (seed * 1_000_003 + proposed) % 2**32
+
+
+def first_proposals(plan: GridPlan, count: int) -> list[Trial]:
+    """The first `count` trials of each point on a fresh start, as the run proposes them
+    (before any result they do not depend on results); ConfigError for a proposal that is
+    not a valid config."""
+    search = _search_of(plan)
+    trials = []
+    for point in range(len(search.points)):
+        searcher = point_searcher(search, plan.file.metric.name, plan.file.metric.mode,
+                                  search.spec.seed)
+        trials += [search.trial(point, sample, searcher.suggest(f"{point}-{sample}"))
+                   for sample in range(count)]
+    return trials
+
+
+def _search_of(plan: GridPlan) -> Search:
+    if plan.search is None:
+        raise ValueError(f"grid {plan.name} has no search:")
+    return plan.search
+
+
+@dataclass
+class Proposal:
+    """A trial a search proposed: its grid point, its sample number there, the proposed
+    values (field path -> value) and its name."""
+
+    point: int
+    sample: int
+    values: dict[str, Any]
+    name: str
+
+    @property
+    def key(self) -> str:
+        """Its id in its point's searcher."""
+        return f"{self.point}-{self.sample}"
+
+
+@dataclass
+class SearchState:
+    """Where a search stands (grid.json's trials, the runs' own files): the proposals that
+    are over, those to run again, and the (point, sample) pairs not proposed yet, in the
+    order they are proposed (round-robin over the points)."""
+
+    over: list[Proposal]
+    rerun: list[Proposal]
+    todo: list[tuple[int, int]]
+
+    @property
+    def proposed(self) -> int:
+        """Trials proposed so far."""
+        return len(self.over) + len(self.rerun)
+
+
+def search_state(plan: GridPlan, entries: list[Any]) -> SearchState:
+    """The state of `plan`'s search from grid.json's `trials` (none on a fresh start).
+    ConfigError unless each entry is a proposal this grid file names as it does (its name
+    is rebuilt from its point, sample and values), each (point, sample) once."""
+    search = _search_of(plan)
+    proposals: list[Proposal] = []
+    for index, entry in enumerate(entries):
+        try:
+            point, sample = entry["point"], entry["sample"]
+            values = {path: entry["overrides"][path] for path in search.spec.space}
+            valid = (type(point) is int and type(sample) is int
+                     and 0 <= point < len(search.points) and 0 <= sample < search.spec.samples
+                     and search.name(point, sample, values) == entry["name"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            valid = False
+        if not valid:
+            raise ConfigError(f"--resume: {plan.grid_dir / GRID_FILE}: trials[{index}] is not a "
+                              "trial this grid file proposes; start a new grid (--name)")
+        proposals.append(Proposal(point, sample, values, entry["name"]))
+    taken = {(p.point, p.sample) for p in proposals}
+    if len(taken) < len(proposals):
+        raise ConfigError(f"--resume: {plan.grid_dir / GRID_FILE} lists a trial twice; start a "
+                          "new grid (--name)")
+    over = [p for p in proposals if run_is_over(plan.grid_dir / RUNS_DIR / p.name)]
+    return SearchState(over, [p for p in proposals if p not in over],
+                       [(point, sample) for sample in range(search.spec.samples)
+                        for point in range(len(search.points)) if (point, sample) not in taken])
+
+
+def search_outcome(run_dir: Path, metric: str) -> tuple[float | None, str]:
+    """What a search learns from a trial, from its run's own files (as the report ranks it):
+    (the metric, "complete") for a finished run; (None, "pruned") for one that diverged,
+    was stopped early or did not finish, which TPE counts as worse than every finished one;
+    (None, "fail") for a failed one, which TPE leaves out."""
+    run = load_run(run_dir)
+    value = finite(run.value(metric)) if run.status == "done" else None
+    if value is not None:
+        return value, "complete"
+    return None, "fail" if run.status == "failed" else "pruned"
+
+
+def make_searcher(plan: GridPlan, state: SearchState, manifest: dict[str, Any]) -> Any:
+    """A Ray Tune Searcher running `plan`'s search from `state`: one seeded OptunaSearch per
+    grid point (point_searcher), told the outcome of each trial over (search_outcome). It
+    hands out the trials to run again first, then proposes the rest round-robin over the
+    points; each proposal is validated as a TrainConfig and added to grid.json (`manifest`,
+    rewritten atomically) before Tune sees it. A proposal that is not a valid config is
+    recorded as failed (its run's error.txt) and told to its searcher, never run."""
+    from ray.tune.search import Searcher
+
+    search = _search_of(plan)
+    metric, mode = plan.file.metric.name, plan.file.metric.mode
+    seed = sampler_seed(search.spec.seed, state.proposed)
+    searchers = [point_searcher(search, metric, mode, seed) for _ in search.points]
+    runs_dir = plan.grid_dir / RUNS_DIR
+
+    def tell(proposal: Proposal, asked: bool) -> None:
+        value, outcome = search_outcome(runs_dir / proposal.name, metric)
+        searcher = searchers[proposal.point]
+        if asked:  # proposed by this searcher: it waits for the trial's result
+            searcher.on_trial_complete(proposal.key, None if value is None else {metric: value},
+                                       error=outcome == "fail")
+        else:
+            searcher.add_evaluated_point(proposal.values, value, error=outcome == "fail",
+                                         pruned=outcome == "pruned")
+
+    def record(entry: dict[str, Any]) -> None:
+        manifest["trials"].append(entry)
+        strict_json.write(plan.grid_dir / GRID_FILE, manifest, indent=2)
+
+    for proposal in state.over:
+        tell(proposal, asked=False)
+
+    class ProposalSearcher(Searcher):
+        def __init__(self) -> None:
+            # No metric: Tune would demand it in every round's result; each trial's outcome
+            # is read from its run's files when it completes (search_outcome).
+            super().__init__()
+            self.rerun = list(state.rerun)
+            self.todo = list(state.todo)
+            self.live: dict[str, tuple[Proposal, bool]] = {}  # Tune's trial id -> proposal
+
+        def set_search_properties(self, metric: str | None, mode: str | None, config: dict,
+                                  **spec: Any) -> bool:
+            return True  # the space and the grid's metric are set already
+
+        def suggest(self, trial_id: str) -> dict | None:
+            if self.rerun:
+                proposal = self.rerun.pop(0)
+                self.live[trial_id] = (proposal, False)
+                return {"trial": trial_space(search.trial(proposal.point, proposal.sample,
+                                                          proposal.values))}
+            while self.todo:
+                point, sample = self.todo.pop(0)
+                key = f"{point}-{sample}"
+                values = searchers[point].suggest(key)
+                proposal = Proposal(point, sample, values, search.name(point, sample, values))
+                try:
+                    trial = search.trial(point, sample, values)
+                except ConfigError as exc:
+                    self.refuse(proposal, str(exc))
+                    continue
+                record(trial_entry(trial, point=point, sample=sample))
+                self.live[trial_id] = (proposal, True)
+                return {"trial": trial_space(trial)}
+            return Searcher.FINISHED
+
+        def refuse(self, proposal: Proposal, error: str) -> None:
+            source = search.points[proposal.point]
+            run_dir = runs_dir / proposal.name
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / ERROR_FILE).write_text(f"ConfigError: the proposal is not a valid "
+                                              f"config: {error}\n")
+            record({"name": proposal.name, "overrides": {**source.overrides, **proposal.values},
+                    "strategy": proposal.values.get("outer.strategy",
+                                                    source.config.outer.strategy),
+                    "config": None, "point": proposal.point, "sample": proposal.sample,
+                    "error": error})
+            tell(proposal, asked=True)
+            print(f"{proposal.name}: FAILED: the proposal is not a valid config: "
+                  f"{last_error_line(error)}", flush=True)
+
+        def on_trial_complete(self, trial_id: str, result: dict | None = None,
+                              error: bool = False) -> None:
+            if trial_id in self.live:
+                proposal, asked = self.live.pop(trial_id)
+                tell(proposal, asked)
+
+    return ProposalSearcher()
+
+
+def trial_space(trial: Trial) -> dict[str, Any]:
+    """What run_trial receives of a trial (Tune's config["trial"])."""
+    return {"name": trial.name, "overrides": trial.overrides, "data_dir": str(trial.data_dir),
+            "config": trial.config.model_dump(mode="json")}
+
+
 def _progress_printer() -> Any:
     """A Tune callback printing each trial's rounds, completion and failure on the console
     (Tune's own status tables are turned off)."""
@@ -340,7 +623,7 @@ def trial_needs(cfg: TrainConfig, trial_cpus: float) -> dict[str, float]:
             "GPU": float(workers) if cfg.scaling.use_gpu else 0.0}
 
 
-def start_cluster(plan: GridPlan, requested: int | None) -> int:
+def start_cluster(plan: GridPlan, requested: int | None, count: int | None = None) -> int:
     """Join or start Ray and choose how many trials run at once.
 
     A local cluster gets enough logical CPUs for the trials asked for (Tune's trial drivers
@@ -360,7 +643,11 @@ def start_cluster(plan: GridPlan, requested: int | None) -> int:
         cores = os.cpu_count() or 1
         num_cpus = max(4, 2 * cores, math.ceil((requested or 1) * need["CPU"]))
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"num_cpus": num_cpus})})
-    start_ray(cfg)
+    # With the dashboard (on 127.0.0.1): Ray Train's PlacementGroupCleaner asks the state API,
+    # which the dashboard serves, whether a trial's TrainController is alive. Without it, the
+    # workers' placement group of a trial that Tune stopped (a scheduler's verdict, a failed
+    # trial) is never removed, and the next trial waits for those CPUs forever.
+    start_ray(cfg, dashboard=True)
     available = ray.cluster_resources()
     fits = min(int(available.get(key, 0.0) // value) for key, value in need.items() if value)
     if requested is not None:
@@ -373,7 +660,7 @@ def start_cluster(plan: GridPlan, requested: int | None) -> int:
     if fits < 1:
         print(f"warning: a trial needs {_format_needs(need)} but the cluster has "
               f"{_format_needs(available)} now; trials wait until it grows", file=sys.stderr)
-    return max(1, min(fits, len(plan.trials)))
+    return max(1, min(fits, len(plan.trials) if count is None else count))
 
 
 def _format_needs(resources: dict[str, float]) -> str:
@@ -399,12 +686,15 @@ def quiet_tune() -> Iterator[None]:
 
 
 def unfinished_trials(trials: list[Trial]) -> list[Trial]:
-    """The trials a resume runs again: those whose run directory holds none of summary.json
-    (finished), error.txt (failed) and stopped.json (stopped early by the scheduler, which
-    stays its verdict). Read from our own files only, never Tune's state."""
-    return [trial for trial in trials
-            if not any((trial.run_dir / name).is_file()
-                       for name in (SUMMARY_FILE, ERROR_FILE, STOPPED_FILE))]
+    """The trials a resume runs again: those whose run is not over (run_is_over). Read from
+    our own files only, never Tune's state."""
+    return [trial for trial in trials if not run_is_over(trial.run_dir)]
+
+
+def run_is_over(run_dir: Path) -> bool:
+    """Whether a trial's run holds summary.json (finished), error.txt (failed) or
+    stopped.json (stopped early by the scheduler, which stays its verdict)."""
+    return any((run_dir / name).is_file() for name in (SUMMARY_FILE, ERROR_FILE, STOPPED_FILE))
 
 
 def new_experiment_name(grid_dir: Path) -> str:
@@ -421,7 +711,7 @@ def new_experiment_name(grid_dir: Path) -> str:
 
 def read_manifest(plan: GridPlan) -> dict[str, Any]:
     """The stored grid.json of the grid to resume; ConfigError unless it holds the same
-    trials as `plan` (same file, same flags)."""
+    trials as `plan` (same file, same flags; a search: the same search and points)."""
     path = plan.grid_dir / GRID_FILE
     if not path.is_file():
         raise ConfigError(f"--resume: {plan.grid_dir} holds no grid to resume (no {GRID_FILE})")
@@ -431,7 +721,12 @@ def read_manifest(plan: GridPlan) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"--resume: cannot read {path} ({exc}); start a new grid (--name)"
                           ) from None
-    if trials != json.loads(strict_json.dumps(plan.manifest(None)))["trials"]:
+    expected = json.loads(strict_json.dumps(plan.manifest(None)))
+    # A grid is the same when its trials are; a search when its settings and points are (its
+    # trials are the proposals so far).
+    identity = ("search", "points") if plan.search is not None else ("search", "trials")
+    if not isinstance(trials, list) or any(stored.get(key) != expected.get(key)
+                                           for key in identity):
         raise ConfigError(f"--resume: the grid's trials changed since {plan.grid_dir} was "
                           "started; resume with the same file and flags, or start a new grid "
                           "(--name)")
@@ -445,30 +740,38 @@ def read_manifest(plan: GridPlan) -> dict[str, Any]:
 def run_grid(plan: GridPlan, max_concurrent: int | None, resume: bool) -> int:
     """Run (or resume) the grid with Ray Tune, then write and print the report.
 
-    A resume runs only the unfinished trials (unfinished_trials), in a fresh Tune experiment.
-    Returns 0 when every trial finished or was stopped early by the scheduler, 1 when any
-    failed, diverged or did not finish, 2 when
-    the grid directory does not match the request."""
+    A resume runs only the unfinished trials (unfinished_trials; a search: search_state), in
+    a fresh Tune experiment. Returns 0 when every trial finished or was stopped early by the
+    scheduler, 1 when any failed, diverged or did not finish, 2 when the grid directory does
+    not match the request."""
     manifest_path = plan.grid_dir / GRID_FILE
     todo = plan.trials
+    state = None
     try:
         if resume:
-            stored = read_manifest(plan)
-            if max_concurrent is not None and max_concurrent != stored.get("max_concurrent"):
+            manifest = read_manifest(plan)
+            if max_concurrent is not None and max_concurrent != manifest.get("max_concurrent"):
                 print("note: --resume keeps the concurrency the grid started with "
-                      f"({stored.get('max_concurrent') or 'as many as fit'})", file=sys.stderr)
-            max_concurrent = stored.get("max_concurrent")
+                      f"({manifest.get('max_concurrent') or 'as many as fit'})",
+                      file=sys.stderr)
+            max_concurrent = manifest.get("max_concurrent")
             todo = unfinished_trials(plan.trials)
         elif manifest_path.exists() or (plan.grid_dir / TUNE_DIR).exists():
             raise ConfigError(f"{plan.grid_dir} already holds a grid; continue it with --resume "
                               "or choose another --name")
+        else:
+            manifest = plan.manifest(max_concurrent)
+        if plan.search is not None:
+            state = search_state(plan, manifest["trials"])
         check_writable(plan.grid_dir.parent)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    if todo:
-        run_trials(dataclasses.replace(plan, trials=todo), max_concurrent, resume)
+    count = len(todo) if state is None else len(state.rerun) + len(state.todo)
+    if count:
+        run_trials(plan if state is not None else dataclasses.replace(plan, trials=todo),
+                   max_concurrent, resume, manifest, state)
     else:
         print(f"grid {plan.name}: every trial has finished, failed or been stopped early; "
               "nothing to resume", flush=True)
@@ -478,20 +781,20 @@ def run_grid(plan: GridPlan, max_concurrent: int | None, resume: bool) -> int:
     return grid_status(report.runs)
 
 
-def run_trials(plan: GridPlan, max_concurrent: int | None, resume: bool) -> None:
-    """Run `plan.trials` in a fresh Tune experiment of the grid directory (the first run's
-    writes grid.json too)."""
+def run_trials(plan: GridPlan, max_concurrent: int | None, resume: bool,
+               manifest: dict[str, Any], state: SearchState | None = None) -> None:
+    """Run `plan.trials` (a search: what `state` leaves to run) in a fresh Tune experiment
+    of the grid directory; the first run writes grid.json (`manifest`) too."""
     from ray import tune
 
     from isoloco_ray.wandb_log import export_wandb_mode, tune_wandb_callback
 
-    concurrency = start_cluster(plan, max_concurrent)
+    count = len(plan.trials) if state is None else len(state.rerun) + len(state.todo)
+    concurrency = start_cluster(plan, max_concurrent, count)
     plan.grid_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
-        manifest = strict_json.dumps(plan.manifest(max_concurrent), indent=2)
-        (plan.grid_dir / GRID_FILE).write_text(manifest)
+        (plan.grid_dir / GRID_FILE).write_text(strict_json.dumps(manifest, indent=2))
     experiment = new_experiment_name(plan.grid_dir)
-    count = len(plan.trials)
     print(f"grid {plan.name}: {'resuming ' if resume else ''}{count} trial"
           f"{'s' if count != 1 else ''}, up to {concurrency} at once, in {plan.grid_dir}"
           + (f" (Tune: {experiment}/)" if resume else ""), flush=True)
@@ -499,20 +802,28 @@ def run_trials(plan: GridPlan, max_concurrent: int | None, resume: bool) -> None
     trainable = tune.with_resources(run_trial, {"CPU": plan.file.resources.trial_cpus})
     scheduler = None
     if plan.file.scheduler is not None:
-        scheduler = make_scheduler(plan.file.scheduler,
-                                   max(t.config.run.rounds for t in plan.trials))
+        scheduler = make_scheduler(plan.file.scheduler, plan.max_rounds)
         print(f"early stopping: {describe_scheduler(plan.file.scheduler)}", flush=True)
+    searcher = None
+    param_space: dict[str, Any] = {"trial": tune.grid_search([trial_space(t)
+                                                              for t in plan.trials])}
+    if state is not None:
+        searcher = make_searcher(plan, state, manifest)
+        param_space = {}
+        print(f"search: {_search_of(plan).spec.describe()}"
+              + (f", {state.proposed} trials proposed before" if state.proposed else ""),
+              flush=True)
     export_wandb_mode(plan.trials[0].config.run.wandb)
     callbacks = [_progress_printer()]
     wandb_callback = tune_wandb_callback(plan.trials[0].config.run.wandb, plan.name)
     if wandb_callback is not None:
         callbacks.append(wandb_callback)
-    space = [{"name": t.name, "overrides": t.overrides, "data_dir": str(t.data_dir),
-              "config": t.config.model_dump(mode="json")} for t in plan.trials]
     tuner = tune.Tuner(
         trainable,
-        param_space={"trial": tune.grid_search(space)},
+        param_space=param_space,
         tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, scheduler=scheduler,
+                                    search_alg=searcher,
+                                    num_samples=1 if state is None else count,
                                     # A stopped trial's actor must end (its TorchTrainer's
                                     # controller and workers with it), not wait for reuse.
                                     reuse_actors=False,
@@ -557,7 +868,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Any --section.field=value option of `python -m isoloco_ray.train --help` "
                "changes the base config of every trial (not a field the grid varies).")
     parser.add_argument("config", nargs="?", type=Path, metavar="GRID.yaml",
-                        help="grid file: base:, grid:, trials:, metric:, resources:")
+                        help="grid file: base:, grid:, trials:, metric:, resources:, "
+                             "scheduler:, search:")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate and print the expanded trials, then exit; missing data "
                              "and unset $VARS in paths are warnings here (check a grid away "
@@ -595,7 +907,11 @@ def main(argv: list[str] | None = None) -> int:
     for warning in plan.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if args.dry_run:
-        print_plan(plan)
+        try:
+            print_plan(plan)
+        except ConfigError as exc:  # a search's first proposal is not a valid config
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         return 0
     max_concurrent = args.max_concurrent or plan.file.resources.max_concurrent
     try:

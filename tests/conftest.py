@@ -36,7 +36,9 @@ def ray_cluster():
 
     from isoloco_ray.local_ray import start_local_cluster
 
-    start_local_cluster(4, object_store_memory=512 * 1024**2)
+    # With the dashboard, as tune.py starts its clusters (Ray Train's placement group cleaner
+    # needs its state API).
+    start_local_cluster(4, object_store_memory=512 * 1024**2, include_dashboard=True)
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()

@@ -282,7 +282,7 @@ def test_dry_run_warns_once_per_data_dir_and_still_checks_data_that_is_there(
         f"warning: trials 0, 2 not checked against their data: data.path: {tmp_path / 'gone'} "
         "is not a prepared data directory")
     # The data that is there is checked: a config it cannot feed is still an error.
-    assert tune.main([str(path), "--dry-run", "--scaling.replicas=64",
+    assert tune.main([str(path), "--dry-run", "--scaling.replicas=256",
                       "--scaling.replicas_per_worker=2"]) == 2
     assert "trial 1 (data.path=" in capsys.readouterr().err
 

@@ -53,7 +53,9 @@ def test_bad_scheduler_settings_exit_2_before_ray(tmp_path, small_dataset, capsy
     path = write_grid(tmp_path, small_dataset, scheduler=scheduler)
     assert tune.main([str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and message in err and "Traceback" not in err
+    # (the first check of a dataset in a session prints "verifying ..." before)
+    assert f"error: {message}" in err or ("\nerror: " in f"\n{err}" and message in err)
+    assert "Traceback" not in err
     assert not (tmp_path / "grids").exists()
 
 
@@ -75,7 +77,7 @@ def test_shipped_asha_grid_is_valid(tmp_path):
     trials = build_trials(grid, {}, tmp_path)
     check_scheduler(grid.scheduler, trials)
     assert grid.scheduler == SchedulerSpec(name="asha", grace_rounds=2, reduction_factor=3)
-    assert [t.config.outer.lr for t in trials] == [0.05, 0.2, 0.5, 0.7, 1.0, 1.4]
+    assert [t.config.outer.lr for t in trials] == [0.7, 1.0, 0.05, 1.4, 0.2, 0.5]
     assert {t.config.run.eval_every for t in trials} == {1}
 
 
@@ -237,21 +239,26 @@ def test_asha_stops_a_trial_that_does_not_learn(ray_cluster, small_dataset, tmp_
     # (outer lr 0: its weights never move) is judged against them at its first eval round
     # after the grace round. Evaluations every 2 rounds: the scheduler sees rounds 0, 2, 4.
     path = write_grid(tmp_path, small_dataset, name="asha",
-                      trials=[{"outer.lr": 0.7}, {"outer.lr": 0.0}],
+                      # The bad trial would run 40 long rounds: Tune stops it in the middle
+                      # of one, and the third trial needs the CPUs its workers held.
+                      trials=[{"outer.lr": 0.7},
+                              {"outer.lr": 0.0, "run.rounds": 40, "inner.steps": 400},
+                              {"outer.lr": 0.7}],
                       scheduler={"name": "asha", "grace_rounds": 1, "reduction_factor": 2},
-                      resources={"trial_cpus": 0.5, "max_concurrent": 1})
+                      # A trial takes the session cluster's 4 CPUs (1 + 2 workers + 1 data).
+                      resources={"trial_cpus": 1, "max_concurrent": 1})
     grid = yaml.safe_load(path.read_text())
-    grid["base"]["scaling"]["cpus_per_worker"] = 0.5
+    grid["base"]["scaling"]["cpus_per_worker"] = 1
     grid["base"]["run"].update(rounds=4, eval_every=2)
     path.write_text(yaml.safe_dump(grid))
 
     assert tune.main([str(path)]) == 0  # a stop is the scheduler's verdict, not a failure
     out = capsys.readouterr().out
     grid_dir = tmp_path / "grids" / "asha"
-    good, bad = (grid_dir / "runs" / name for name in ("0-diloco-outer.lr=0.7",
-                                                       "1-diloco-outer.lr=0.0"))
+    bad_name = "1-diloco-inner.steps=400-outer.lr=0.0-run.rounds=40"
+    good, bad = (grid_dir / "runs" / name for name in ("0-diloco-outer.lr=0.7", bad_name))
     assert "0-diloco-outer.lr=0.7: done, final eval loss" in out
-    assert "1-diloco-outer.lr=0.0: stopped early at round 2 (eval_loss " in out
+    assert f"{bad.name}: stopped early at round 2 (eval_loss " in out
     assert (good / "summary.json").is_file() and not (good / "stopped.json").exists()
     marker = strict_json(bad / "stopped.json")
     assert marker["round"] == 2 and marker["metrics"]["eval_loss"] == marker["value"]
@@ -269,7 +276,8 @@ def test_asha_stops_a_trial_that_does_not_learn(ray_cluster, small_dataset, tmp_
     assert marker["trial_pid"] in {pid for _, pid in known}
     rows = list(csv.DictReader((grid_dir / "results.csv").open()))
     assert [(r["trial"], r["status"]) for r in rows] == [
-        ("0-diloco-outer.lr=0.7", "done"), ("1-diloco-outer.lr=0.0", "stopped")]
+        ("0-diloco-outer.lr=0.7", "done"), ("2-diloco-outer.lr=0.7", "done"),
+        (bad_name, "stopped")]
 
     # --resume keeps it stopped: nothing runs again.
     assert tune.main([str(path), "--resume"]) == 0
