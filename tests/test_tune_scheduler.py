@@ -212,25 +212,34 @@ def test_resume_keeps_stopped_trials_stopped(tmp_path, small_dataset, capsys, no
 # One real grid: ASHA stops a trial that does not learn
 
 
-def live_train_actors(trial_pid: int) -> list[str]:
-    """Actors of this session's cluster that are not dead: Ray Train controllers and workers,
-    and the trial actor running in process `trial_pid`. From the GCS actor table (the state
-    API needs the dashboard, which tests do not start); psutil would also see other Ray
-    clusters on the machine."""
+def trial_actors(trial_pid: int) -> list[dict]:
+    """The actors of the trial whose process was `trial_pid`: its trial actor and every actor
+    it owned, transitively (its TorchTrainer's controller, the controller's workers), from
+    the GCS actor table (the state API needs the dashboard's HTTP server; psutil would also
+    see other Ray clusters on the machine). Other trials' actors are not included."""
     from ray._private import state
 
-    return [f"{actor['ActorClassName']} (pid {actor['Pid']}, {actor['State']})"
-            for actor in state.actors().values() if actor["State"] != "DEAD"
-            and (actor["ActorClassName"] in ("TrainController", "RayTrainWorker")
-                 or actor["Pid"] == trial_pid)]
+    def address(actor: dict, key: str) -> tuple[str, int]:
+        return actor[key]["IPAddress"], actor[key]["Port"]
+
+    actors = list(state.actors().values())
+    family = [actor for actor in actors if actor["Pid"] == trial_pid]
+    owners = {address(actor, "Address") for actor in family}
+    while grown := [actor for actor in actors if actor not in family
+                    and address(actor, "OwnerAddress") in owners]:
+        family += grown
+        owners |= {address(actor, "Address") for actor in grown}
+    return family
 
 
-def wait_for_teardown(trial_pid: int, timeout_s: float = 30.0) -> list[str]:
-    """live_train_actors once it is empty or `timeout_s` has passed."""
+def wait_for_teardown(trial_pid: int, timeout_s: float = 30.0) -> list[dict]:
+    """The trial's actors (trial_actors) once none is alive or `timeout_s` has passed."""
     deadline = time.monotonic() + timeout_s
-    while (alive := live_train_actors(trial_pid)) and time.monotonic() < deadline:
+    while True:
+        family = trial_actors(trial_pid)
+        if all(actor["State"] == "DEAD" for actor in family) or time.monotonic() > deadline:
+            return family
         time.sleep(0.5)
-    return alive
 
 
 @pytest.mark.ray
@@ -268,12 +277,10 @@ def test_asha_stops_a_trial_that_does_not_learn(ray_cluster, small_dataset, tmp_
     assert marker["value"] > good_evals[2]
     assert not (bad / "summary.json").exists()
     # Its trial process is gone, and with it its TorchTrainer's controller and workers.
-    from ray._private import state
-
-    assert wait_for_teardown(marker["trial_pid"]) == []
-    known = {(actor["ActorClassName"], actor["Pid"]) for actor in state.actors().values()}
-    assert {"TrainController", "RayTrainWorker"} <= {name for name, _ in known}  # not vacuous
-    assert marker["trial_pid"] in {pid for _, pid in known}
+    family = wait_for_teardown(marker["trial_pid"])
+    assert [(a["ActorClassName"], a["State"]) for a in family if a["State"] != "DEAD"] == []
+    # Not vacuous: the trial's controller and workers are in the table, dead.
+    assert {"TrainController", "RayTrainWorker"} <= {a["ActorClassName"] for a in family}
     rows = list(csv.DictReader((grid_dir / "results.csv").open()))
     assert [(r["trial"], r["status"]) for r in rows] == [
         ("0-diloco-outer.lr=0.7", "done"), ("2-diloco-outer.lr=0.7", "done"),
