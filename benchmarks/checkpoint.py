@@ -37,7 +37,7 @@ def main() -> None:
     cfg = load_config([f"--scaling.replicas={args.replicas}",
                        f"--scaling.replicas_per_worker={args.replicas}", "--inner.steps=1",
                        "--run.rounds=1", "--run.eval_tokens=128"])
-    trainer = Trainer(cfg, data_dir, local_env(cfg, data_dir))
+    trainer = Trainer(cfg, data_dir, local_env())
     trainer.run()
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
@@ -46,7 +46,7 @@ def main() -> None:
         save_seconds = time.perf_counter() - started
         size = sum(f.stat().st_size for f in directory.iterdir())
         started = time.perf_counter()
-        Trainer(cfg, data_dir, local_env(cfg, data_dir, restore_from=directory))
+        Trainer(cfg, data_dir, local_env(restore_from=directory))
         restore_seconds = time.perf_counter() - started
 
     print(f"{'model':<8}{'R':>4}{'checkpoint MB':>16}{'save s':>9}{'restore s':>11}")

@@ -45,13 +45,11 @@ def child_prepare(tokens: int, workers: int, out: str) -> dict:
 
 
 def child_stream(data_dir: str) -> dict:
-    from isoloco_ray.data.format import split_files
-    from isoloco_ray.data.stream import ReplicaStream, ShardRange, pyarrow_reader
+    from isoloco_ray.data.stream import ReplicaStream, read_with_pyarrow, replica_share
 
-    files = split_files(data_dir, "train")
-    stream = ReplicaStream(pyarrow_reader([ShardRange(path) for path in files]), seq_len=2048,
-                           batch_size=8)
-    batches = max(1, len(files) * ((1 << 22) // 2048) // 8)  # one epoch
+    share = replica_share(Path(data_dir), 0, 1)
+    stream = ReplicaStream(share, read_with_pyarrow, seq_len=2048, batch_size=8)
+    batches = max(1, share.rows // 8)  # one epoch
     start = time.perf_counter()
     n = 0
     for _ in range(batches):

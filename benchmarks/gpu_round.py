@@ -65,7 +65,7 @@ def run_strategy(args: argparse.Namespace, strategy: str, data_dir: Path) -> dic
                 "checkpoint_every": 10**6, "compile": args.compile},
     })
     reports: list[dict] = []
-    env = local_env(cfg, data_dir, reports=reports, device=args.device)
+    env = local_env(reports=reports, device=args.device)
     Trainer(cfg, data_dir, env).run()
     return reports[-1]
 

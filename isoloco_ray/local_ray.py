@@ -62,7 +62,10 @@ def start_local_cluster(num_cpus: int, **kwargs: Any) -> None:
     cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False  # keeps 127.0.0.1 from being "resolved" away
     try:
-        ray.init(num_cpus=num_cpus, _node_ip_address=LOOPBACK, **options)
+        # address="local": always a new cluster. Without it ray.init joins any Ray it finds
+        # running on the machine (RAY_ADDRESS, or a GCS process found by pgrep: another
+        # user's, or a test's), whose settings and authentication are not these.
+        ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **options)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
     node_ip = ray.util.get_node_ip_address()

@@ -210,19 +210,17 @@ def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Eve
 
 def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any = None,
                   callbacks: Sequence[Any] = ()) -> Any:
-    """The Ray Train TorchTrainer of one run (R/V workers, one dataset per replica).
+    """The Ray Train TorchTrainer of one run (R/V workers; each streams its replicas' shares
+    with Ray Data itself, from their positions: `stream.read_with_ray_data`).
 
     `progress`: a ray.util.queue.Queue that rank 0 puts every report on; `callbacks`: Ray
     Train callbacks (e.g. Tune's TuneReportCallback).
     """
-    import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from isoloco_ray.data.stream import replica_data_config, replica_datasets
     from isoloco_ray.workers.loop import train_loop_per_worker
 
-    ray.data.DataContext.get_current().enable_progress_bars = False
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.model_dump(mode="json"), "data_dir": str(data_dir),
@@ -240,8 +238,6 @@ def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             logging_config=ray.train.LoggingConfig(log_level="ERROR")),
-        datasets=replica_datasets(data_dir, cfg.scaling.replicas),
-        dataset_config=replica_data_config(),
     )
 
 

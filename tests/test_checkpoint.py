@@ -7,10 +7,12 @@ import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from isoloco_ray.config import load_config
+from isoloco_ray.data.format import DatasetMeta, read_blocks, shard_name, write_blocks
 from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.local import StopAfterRound, run_local
 from isoloco_ray.workers.outer_sync import OuterSync
@@ -51,7 +53,9 @@ def test_checkpoint_holds_every_replica_and_loads_without_pickle(small_dataset, 
     assert state["round"] == 2 and outer_state["step"] == 2
     assert set(outer_state["buffers"]) == set(params)  # diloco keeps a momentum buffer each
     replica = checkpoint.load_replica(directory, 1)  # torch.load(weights_only=True)
-    assert replica["stream"] == {"epoch": 0, "sequences": 2 * 2 * 4}
+    # 16 sequences of 64 tokens: the 16 rows of the replica's first shard (1::2) are read.
+    assert replica["stream"] == {"epoch": 0, "sequences": 2 * 2 * 4,
+                                 "shard": "part-00003.parquet", "row": 0}
     assert replica["schedule"]["last_epoch"] == 4
 
 
@@ -61,6 +65,30 @@ def test_resume_with_other_settings_is_refused(small_dataset, tmp_path):
     other = load_config(RUN + ["--run.rounds=2", "--inner.lr=1e-2"])
     with pytest.raises(ValueError, match=r"different settings: inner.lr"):
         run_local(other, small_dataset, restore_from=tmp_path / "round_000002")
+
+
+def test_resume_on_resharded_data_is_refused(small_dataset, tmp_path):
+    """The same tokens cut into other shards put a checkpoint's position elsewhere: the resume
+    names the replica, the shard and row it stood at, and refuses."""
+    cfg = load_config(RUN + ["--run.rounds=2"])
+    run_local(cfg, small_dataset, checkpoints=tmp_path / "checkpoints")
+    data = tmp_path / "data"
+    shutil.copytree(small_dataset, data)
+    meta = DatasetMeta.load(data)
+    train = meta.split("train")
+    blocks = np.concatenate([read_blocks(data / shard.file) for shard in train.shards])
+    for shard in train.shards:
+        (data / shard.file).unlink()
+    shards = [write_blocks(data / "train" / shard_name(i), part)
+              for i, part in enumerate(np.split(blocks, range(10, len(blocks), 10)))]
+    splits = {**meta.splits, "train": train.model_copy(update={"shards": shards})}
+    meta.model_copy(update={"splits": splits}).save(data)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"replica 0's checkpoint stands at row 0 of train shard "
+                             r"part-00002.parquet, but the data's shards now put its position "
+                             r"\(16 sequences into epoch 0\) at row 6 of part-00002.parquet: "
+                             r"the data changed"):
+        run_local(cfg, data, restore_from=tmp_path / "checkpoints" / "round_000002")
 
 
 def test_incomplete_checkpoint_is_reported(small_dataset, tmp_path):

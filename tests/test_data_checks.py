@@ -15,7 +15,7 @@ import pytest
 from isoloco_ray.config import ConfigError
 from isoloco_ray.data import checks
 from isoloco_ray.data.format import DataError, DatasetMeta, read_blocks, split_files, write_blocks
-from isoloco_ray.data.stream import ReplicaStream, pyarrow_reader, replica_ranges
+from isoloco_ray.data.stream import ReplicaStream, read_with_pyarrow, replica_share
 
 OK = dict(model_vocab_size=None, seq_len=64, replicas=2, batch_size=4)
 
@@ -119,7 +119,8 @@ def test_replica_streams_deterministic_and_disjoint(small_dataset: Path) -> None
     replicas = 3
 
     def batches(r: int, n: int) -> np.ndarray:
-        stream = ReplicaStream(pyarrow_reader(replica_ranges(small_dataset, r, replicas)), 64, 4)
+        stream = ReplicaStream(replica_share(small_dataset, r, replicas), read_with_pyarrow,
+                               64, 4)
         return np.stack([stream.next_batch().numpy() for _ in range(n)])
 
     seen = [batches(r, 3) for r in range(replicas)]
@@ -127,7 +128,7 @@ def test_replica_streams_deterministic_and_disjoint(small_dataset: Path) -> None
         np.testing.assert_array_equal(seen[r], batches(r, 3))  # deterministic
     rows = [{tuple(x) for x in s.reshape(-1, 64).tolist()} for s in seen]
     assert not (rows[0] & rows[1]) and not (rows[1] & rows[2]) and not (rows[0] & rows[2])
-    shards = [{str(part.path) for part in replica_ranges(small_dataset, r, replicas)}
+    shards = [{str(part.path) for part in replica_share(small_dataset, r, replicas).ranges}
               for r in range(replicas)]
     assert set.union(*shards) == set(map(str, files)) and sum(map(len, shards)) == len(files)
 

@@ -33,8 +33,7 @@ from isoloco_ray.data.format import (
     DataError, DatasetMeta, read_blocks, split_files, verify, write_blocks,
 )
 from isoloco_ray.data.stream import (
-    ReplicaStream, ShardRange, pyarrow_reader, ray_data_reader, replica_datasets,
-    replica_ranges,
+    ReplicaStream, read_with_pyarrow, read_with_ray_data, replica_share, rows_in_ranges,
 )
 
 from isoloco_ray.testing import synthetic_documents
@@ -218,11 +217,11 @@ def test_stream_names_the_shard_of_an_out_of_vocabulary_id(data: Path) -> None:
     vocab = DatasetMeta.load(data).vocab_size
     files = split_files(data, "train")[:2]  # 2 x 16 blocks of 64: 8 batches of 4
     _set_token(files[1], 5, 7, vocab + 5)
-    ranges = [ShardRange(path) for path in files]
-    plain = ReplicaStream(pyarrow_reader(ranges), 64, 4)  # vocab_size None: no check
+    share = replica_share(data, 0, 1)
+    plain = ReplicaStream(share, read_with_pyarrow, 64, 4)  # vocab_size None: no check
     for _ in range(8):
         plain.next_batch()
-    stream = ReplicaStream(pyarrow_reader(ranges), 64, 4, vocab_size=vocab)
+    stream = ReplicaStream(share, read_with_pyarrow, 64, 4, vocab_size=vocab)
     for _ in range(4):
         stream.next_batch()  # the first shard is fine
     with pytest.raises(DataError, match=rf"^{re.escape(str(files[1]))}: token id {vocab + 5} is "
@@ -230,21 +229,12 @@ def test_stream_names_the_shard_of_an_out_of_vocabulary_id(data: Path) -> None:
         stream.next_batch()
     _set_token(files[0], 0, 0, -3)
     with pytest.raises(DataError, match=rf"^{re.escape(str(files[0]))}: token id -3 is outside"):
-        ReplicaStream(pyarrow_reader(ranges), 64, 4, vocab_size=vocab).next_batch()
+        ReplicaStream(share, read_with_pyarrow, 64, 4, vocab_size=vocab).next_batch()
 
 
-class RecordedBatches:
-    """Stands in for a Ray Data DataIterator: yields given batches in Ray's numpy format."""
-
-    def __init__(self, batches: list[dict[str, np.ndarray]]) -> None:
-        self.batches = batches
-
-    def iter_batches(self, **kwargs: object) -> list[dict[str, np.ndarray]]:
-        return self.batches
-
-
-def test_ray_data_reader_names_the_shard_of_each_row(data: Path) -> None:
+def test_ray_data_rows_name_the_shard_of_each_row(data: Path) -> None:
     vocab = DatasetMeta.load(data).vocab_size
+    share = replica_share(data, 0, 1)
     files = split_files(data, "train")[:2]
     _set_token(files[1], 1, 3, vocab)
     a, b = read_blocks(files[0]), read_blocks(files[1])
@@ -252,18 +242,21 @@ def test_ray_data_reader_names_the_shard_of_each_row(data: Path) -> None:
     tokens = np.empty(len(rows), dtype=object)  # a list column arrives as an array of arrays
     tokens[:] = list(rows)
     paths = np.array([str(files[0])] * 3 + [str(files[1])] * 3, dtype=object)
-    reader = ray_data_reader(RecordedBatches([{"tokens": tokens, "path": paths}]))
+
+    def recorded(ranges: object) -> object:
+        return rows_in_ranges([{"tokens": tokens, "path": paths}], [])
+
     with pytest.raises(DataError, match=rf"^{re.escape(str(files[1]))}: token id {vocab} "):
-        ReplicaStream(reader, 64, 2, vocab_size=vocab).next_batch()
+        ReplicaStream(share, recorded, 64, 2, vocab_size=vocab).next_batch()
 
 
 @pytest.mark.ray
 def test_ray_data_stream_names_the_bad_shard(ray_cluster: None, data: Path) -> None:
     vocab = DatasetMeta.load(data).vocab_size
-    bad = replica_ranges(data, 0, 2)[1].path
+    share = replica_share(data, 0, 2)
+    bad = share.ranges[1].path
     _set_token(bad, 2, 0, vocab + 1)
-    dataset = replica_datasets(data, 2)["train_0"]
-    stream = ReplicaStream(ray_data_reader(dataset.iterator()), 64, 4, vocab_size=vocab)
+    stream = ReplicaStream(share, read_with_ray_data, 64, 4, vocab_size=vocab)
     with pytest.raises(DataError, match=rf"{re.escape(str(bad))}: token id {vocab + 1} "):
         for _ in range(100):
             stream.next_batch()

@@ -17,7 +17,7 @@ import pytest
 from isoloco_ray.data import prepare, sources
 from isoloco_ray.data.checks import check_layout
 from isoloco_ray.data.format import SPLITS, DataError, DatasetMeta, read_blocks, split_files, verify
-from isoloco_ray.data.stream import replica_ranges
+from isoloco_ray.data.stream import replica_share
 
 from isoloco_ray.testing import synthetic_documents
 
@@ -205,7 +205,7 @@ def test_from_npy_keeps_the_file_split(tmp_path: Path, small_dataset: Path) -> N
     assert (train.blocks, train.dropped_tokens) == (45, 120)
     for r in range(3):
         read = np.concatenate([read_blocks(part.path)
-                               for part in replica_ranges(out, r, 3)]).ravel()
+                               for part in replica_share(out, r, 3).ranges]).ravel()
         np.testing.assert_array_equal(read, arrays[f"train_{r:06d}.npy"][:960])
     stream = np.concatenate(list(arrays.values())[:3])
     assert train.documents == int((stream == meta.eos_id).sum())

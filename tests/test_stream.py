@@ -7,21 +7,26 @@ import pytest
 import torch
 
 from isoloco_ray.data.format import read_blocks, share_of_rows, split_files
-from isoloco_ray.data.stream import (ReplicaStream, ShardRange, StreamPosition, dataset_name,
-                                     pyarrow_reader, ray_data_reader, replica_data_config,
-                                     replica_datasets, replica_ranges)
+from isoloco_ray.data.stream import (ReplicaShare, ReplicaStream, ShardRange, StreamPosition,
+                                     read_with_pyarrow, read_with_ray_data, replica_share,
+                                     rows_in_ranges)
 
 
 def blocks_of(ranges):
     return np.concatenate([read_blocks(part.path)[part.start:part.stop] for part in ranges])
 
 
+def stream_of(share, seq_len, batch_size, position=None, read_rows=read_with_pyarrow):
+    return ReplicaStream(share, read_rows, seq_len, batch_size, position)
+
+
 def test_replicas_own_disjoint_shards_covering_the_split(small_dataset):
     files = split_files(small_dataset, "train")
-    owned = [replica_ranges(small_dataset, r, 4) for r in range(4)]
+    owned = [replica_share(small_dataset, r, 4).ranges for r in range(4)]
     assert all(part.whole for share in owned for part in share)
     assert sorted(part.path for share in owned for part in share) == sorted(files)
     assert [part.path for part in owned[1]] == files[1::4]
+    assert all(part.rows == len(read_blocks(part.path)) for share in owned for part in share)
 
 
 @pytest.mark.parametrize(("rows", "replicas"), [([16], 2), ([16], 3), ([5, 9, 2], 4),
@@ -45,19 +50,19 @@ def test_one_shard_feeds_several_replicas(small_dataset):
     """A corpus with a single train shard trains 3 replicas: each streams its own rows."""
     shard = split_files(small_dataset, "train")[0]
     whole = read_blocks(shard)
-    ranges = [[ShardRange(shard, start, stop) for _, start, stop in share_of_rows(
-        [len(whole)], r, 3)] for r in range(3)]
-    read = [ReplicaStream(pyarrow_reader(share), seq_len=64, batch_size=5).next_batch().numpy()
-            for share in ranges]
+    shares = [ReplicaShare(tuple(ShardRange(shard, start, stop, len(whole))
+                                 for _, start, stop in share_of_rows([len(whole)], r, 3)), 64)
+              for r in range(3)]
+    read = [stream_of(share, seq_len=64, batch_size=5).next_batch().numpy() for share in shares]
     for r, batch in enumerate(read):
         start = r * len(whole) // 3
         np.testing.assert_array_equal(batch, whole[start:start + 5])
 
 
 def test_stream_cuts_blocks_into_sequences_in_order(small_dataset):
-    ranges = replica_ranges(small_dataset, 2, 4)
-    expected = blocks_of(ranges).reshape(-1, 32)  # block_len 64 -> two sequences per block
-    stream = ReplicaStream(pyarrow_reader(ranges), seq_len=32, batch_size=5)
+    share = replica_share(small_dataset, 2, 4)
+    expected = blocks_of(share.ranges).reshape(-1, 32)  # block_len 64 -> two sequences a block
+    stream = stream_of(share, seq_len=32, batch_size=5)
     batches = [stream.next_batch() for _ in range(4)]
     assert all(b.dtype == torch.int64 and b.shape == (5, 32) for b in batches)
     np.testing.assert_array_equal(torch.cat(batches).numpy(), expected[:20])
@@ -65,11 +70,11 @@ def test_stream_cuts_blocks_into_sequences_in_order(small_dataset):
 
 
 def test_epoch_rolls_over_without_straddling(small_dataset):
-    ranges = replica_ranges(small_dataset, 0, 4)
-    sequences = blocks_of(ranges).reshape(-1, 64)
+    share = replica_share(small_dataset, 0, 4)
+    sequences = blocks_of(share.ranges).reshape(-1, 64)
     batch = 7
     full_batches = len(sequences) // batch
-    stream = ReplicaStream(pyarrow_reader(ranges), seq_len=64, batch_size=batch)
+    stream = stream_of(share, seq_len=64, batch_size=batch)
     for _ in range(full_batches):
         stream.next_batch()
     first_of_epoch_1 = stream.next_batch()
@@ -77,48 +82,107 @@ def test_epoch_rolls_over_without_straddling(small_dataset):
     assert stream.position == StreamPosition(epoch=1, sequences=batch)
 
 
-def test_resumed_stream_continues_with_the_next_unseen_batch(small_dataset):
-    ranges = replica_ranges(small_dataset, 1, 4)
-    whole = ReplicaStream(pyarrow_reader(ranges), seq_len=64, batch_size=3)
-    for _ in range(5):
-        whole.next_batch()
-    position = StreamPosition(whole.position.epoch, whole.position.sequences)
-    resumed = ReplicaStream(pyarrow_reader(ranges), seq_len=64, batch_size=3, position=position)
-    for _ in range(4):
-        torch.testing.assert_close(resumed.next_batch(), whole.next_batch())
+@pytest.mark.parametrize(("seq_len", "batch"), [(64, 3), (32, 5), (16, 7)])
+def test_resumed_stream_continues_with_the_next_unseen_batch(small_dataset, seq_len, batch):
+    """At every position (mid-row, mid-shard, at a shard's end, in the next epoch) a stream
+    opened there goes on exactly as the uninterrupted one."""
+    share = replica_share(small_dataset, 1, 2)
+    whole = stream_of(share, seq_len=seq_len, batch_size=batch)
+    per_epoch = share.rows * (64 // seq_len) // batch
+    for _ in range(per_epoch + 3):
+        position = StreamPosition(whole.position.epoch, whole.position.sequences)
+        resumed = stream_of(share, seq_len, batch, position=position)
+        assert resumed.where() == whole.where()
+        for _ in range(2):
+            torch.testing.assert_close(resumed.next_batch(), whole.next_batch())
+
+
+class CountingReader:
+    """read_with_pyarrow, recording the ranges each open starts with."""
+
+    def __init__(self):
+        self.opened = []
+
+    def __call__(self, ranges):
+        self.opened.append(list(ranges))
+        return read_with_pyarrow(ranges)
+
+
+def test_resume_opens_the_reader_at_the_positions_shard_and_row(small_dataset):
+    """Resuming reads nothing before the position: the reader is opened at the shard and
+    row holding it (cost independent of the position)."""
+    share = replica_share(small_dataset, 0, 1)
+    assert len(share.ranges) >= 3
+    first, second = share.ranges[0], share.ranges[1]
+    sequences = (first.rows + 5) * 2 + 1  # seq_len 32: row 5 of the second shard, 2nd half
+    reader = CountingReader()
+    stream = stream_of(share, 32, 4, StreamPosition(0, sequences), read_rows=reader)
+    assert stream.where() == (str(second.path), 5)
+    batch = stream.next_batch().numpy()
+    assert reader.opened == [[ShardRange(second.path, 5, second.stop, second.shard_rows),
+                              *share.ranges[2:]]]
+    np.testing.assert_array_equal(batch, blocks_of(share.ranges).reshape(-1, 32)[
+        sequences:sequences + 4])
+
+
+def test_share_after_skips_whole_and_partial_ranges():
+    share = ReplicaShare((ShardRange("a", 2, 5, 5), ShardRange("b", 0, 4, 4),
+                          ShardRange("c", 0, 3, 6)), 64)
+    assert share.rows == 10
+    assert share.after(0) == list(share.ranges)
+    assert share.after(3) == [ShardRange("b", 0, 4, 4), ShardRange("c", 0, 3, 6)]
+    assert share.after(8) == [ShardRange("c", 1, 3, 6)]
+    assert share.after(10) == []
+
+
+def test_rows_in_ranges_keeps_only_the_ranges_rows():
+    """Batches carry every row of the shards; a range starting or ending mid-shard keeps its
+    rows, counted per file across batches."""
+    rows = {name: np.arange(count * 2).reshape(count, 2) + 100 * i
+            for i, (name, count) in enumerate([("a", 5), ("b", 4)])}
+    every = [(name, row) for name in rows for row in rows[name]]
+    batches = []
+    for i in range(0, len(every), 3):
+        chunk = every[i:i + 3]
+        tokens = np.empty(len(chunk), dtype=object)
+        tokens[:] = [row for _, row in chunk]
+        batches.append({"tokens": tokens, "path": np.array([n for n, _ in chunk], dtype=object)})
+    ranges = [ShardRange("a", 3, 5, 5), ShardRange("b", 0, 2, 4)]
+    kept = list(rows_in_ranges(batches, ranges))
+    np.testing.assert_array_equal(np.concatenate([b.tokens for b in kept]),
+                                  np.concatenate([rows["a"][3:], rows["b"][:2]]))
+    assert [b.file_of(i) for b in kept for i in range(len(b.tokens))] == ["a", "a", "b", "b"]
 
 
 @pytest.mark.ray
 @pytest.mark.parametrize("more_replicas_than_shards", [False, True])
-def test_ray_data_streams_read_each_replicas_shards_like_pyarrow(ray_cluster, small_dataset,
+def test_ray_data_streams_read_each_replicas_share_like_pyarrow(ray_cluster, small_dataset,
                                                                 more_replicas_than_shards):
-    """What each replica reads through Ray Data (V1's reader, handed out by Train's DataConfig
-    as the workers get it) is its share's rows in order, each with its file, as the Ray-free
-    reader gives them, whole shards or row ranges of them; the driver's DataContext flag is
-    restored afterwards."""
+    """What a replica reads through Ray Data (V1's reader) is its share's rows in order, each
+    with its file, as the Ray-free reader gives them, whole shards or row ranges of them, from
+    the start or from a resumed position; the DataContext flag is restored afterwards."""
     import ray.data
 
     context = ray.data.DataContext.get_current()
     flag = context.use_datasource_v2
     shards = len(split_files(small_dataset, "train"))
     replicas = 2 * shards + 1 if more_replicas_than_shards else 3
-    datasets = replica_datasets(small_dataset, replicas)
+    for r in (0, replicas - 1):
+        share = replica_share(small_dataset, r, replicas)
+        assert all(part.whole for part in share.ranges) != more_replicas_than_shards
+        for skip in (0, share.rows // 2 + 1):
+            ranges = share.after(skip)
+            ray_rows = list(read_with_ray_data(ranges, rows_per_read=7))
+            local = list(read_with_pyarrow(ranges))
+            np.testing.assert_array_equal(np.concatenate([b.tokens for b in ray_rows]),
+                                          np.concatenate([b.tokens for b in local]))
+            assert [b.file_of(i) for b in ray_rows for i in range(len(b.tokens))] == \
+                [b.file_of(i) for b in local for i in range(len(b.tokens))]
     assert context.use_datasource_v2 == flag
-    (iterators,) = replica_data_config().configure(datasets, world_size=1, worker_handles=None,
-                                                   worker_node_ids=None)
-    for r in (0, 1, replicas - 1):
-        ranges = replica_ranges(small_dataset, r, replicas)
-        assert all(part.whole for part in ranges) != more_replicas_than_shards
-        ray_rows = list(ray_data_reader(iterators[dataset_name(r)], ranges, rows_per_read=7)())
-        local = list(pyarrow_reader(ranges)())
-        np.testing.assert_array_equal(np.concatenate([b.tokens for b in ray_rows]),
-                                      np.concatenate([b.tokens for b in local]))
-        assert [b.file_of(i) for b in ray_rows for i in range(len(b.tokens))] == \
-            [b.file_of(i) for b in local for i in range(len(b.tokens))]
-        stream = ReplicaStream(ray_data_reader(iterators[dataset_name(r)], ranges), seq_len=32,
-                               batch_size=5)
-        expected = blocks_of(ranges).reshape(-1, 32)
-        batches = min(6, len(expected) // 5)  # within the first epoch
-        np.testing.assert_array_equal(
-            torch.cat([stream.next_batch() for _ in range(batches)]).numpy(),
-            expected[:5 * batches])
+    share = replica_share(small_dataset, 1, replicas)
+    expected = blocks_of(share.ranges).reshape(-1, 32)
+    stream = stream_of(share, 32, 5, StreamPosition(0, 3), read_rows=read_with_ray_data)
+    batches = min(4, (len(expected) - 3) // 5)  # within the first epoch
+    np.testing.assert_array_equal(
+        torch.cat([stream.next_batch() for _ in range(batches)]).numpy(),
+        expected[3:3 + 5 * batches])

@@ -3,12 +3,13 @@
 Replica r of R owns the train shards `files[r::R]` (whole parquet files, in order) or, when there
 are fewer shards than replicas, the r-th of R contiguous, near-equal row ranges of all shards
 (`format.share_of_rows`), whatever the worker layout, so moving replicas between workers never
-changes what they train on. A run longer than a replica's share reads it again, in the same
-order (epochs). On Ray the shards are read by Ray Data (`read_parquet`, order preserved, one
-unsplit dataset per replica, read only by the worker that hosts it: `replica_data_config`);
-without Ray (tests, single-process loops) the same files are read with pyarrow. Both feed
-`ReplicaStream`, which cuts blocks into sequences, groups them into batches and counts what it
-consumed, since Ray Data cannot resume mid-epoch.
+changes what they train on: its `ReplicaShare`. A run longer than a share reads it again, in
+the same order (epochs). On Ray the worker hosting a replica streams its rows with Ray Data
+(`read_with_ray_data`); without Ray (tests, single-process loops) the same rows are read with
+pyarrow (`read_with_pyarrow`). Both feed `ReplicaStream`, which cuts blocks into sequences,
+groups them into batches and counts what it consumed (epoch, sequences); the shard and row of
+a count follow from the shards' row counts, so a resumed stream opens its reader at that
+shard and row, at the same cost anywhere in the data.
 Readers yield `ShardBlocks`: the rows and the shard file of each row (Ray Data's `path` column),
 so that a token id outside the model's vocabulary, checked as every batch is read, is reported
 with its file instead of failing as an index error inside the embedding.
@@ -21,15 +22,11 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from isoloco_ray.data.format import DataError, DatasetMeta, read_blocks, share_of_rows
-
-if TYPE_CHECKING:
-    import ray.data
 
 
 @dataclass(frozen=True)
@@ -44,76 +41,137 @@ class ShardBlocks:
         return self.files if isinstance(self.files, str) else str(self.files[row])
 
 
-# Yields the rows of one epoch, in order.
-EpochReader = Callable[[], Iterable[ShardBlocks]]
-
 # Ray Data's column with each row's file, added by read_parquet(include_paths=True).
 PATH_COLUMN = "path"
 
 
 @dataclass(frozen=True)
 class ShardRange:
-    """Rows [start, stop) of one train shard; stop None: to the shard's end."""
+    """Rows [start, stop) of one train shard of `shard_rows` rows."""
 
     path: Path
-    start: int = 0
-    stop: int | None = None
+    start: int
+    stop: int
+    shard_rows: int
+
+    @classmethod
+    def whole_shard(cls, path: Path, rows: int) -> ShardRange:
+        """All `rows` rows of the shard at `path`."""
+        return cls(path, 0, rows, rows)
+
+    @property
+    def rows(self) -> int:
+        """Rows in the range."""
+        return self.stop - self.start
 
     @property
     def whole(self) -> bool:
         """Whether the range is the whole shard."""
-        return self.start == 0 and self.stop is None
+        return self.start == 0 and self.stop == self.shard_rows
 
 
-def replica_ranges(data_dir: Path, replica: int, replicas: int) -> list[ShardRange]:
+# Reads exactly the given row ranges, in order.
+RowReader = Callable[[Sequence[ShardRange]], Iterable[ShardBlocks]]
+
+
+@dataclass(frozen=True)
+class ReplicaShare:
+    """The train rows one replica reads each epoch (`share_of_rows`), in order, and their
+    block length: enough to find the shard and row of any position without reading."""
+
+    ranges: tuple[ShardRange, ...]
+    block_len: int
+
+    @property
+    def rows(self) -> int:
+        """Rows in one epoch of the share."""
+        return sum(part.rows for part in self.ranges)
+
+    def after(self, rows: int) -> list[ShardRange]:
+        """The ranges left after the share's first `rows` rows: the shard holding row `rows`
+        from that row on, then the shards after it."""
+        for index, part in enumerate(self.ranges):
+            if rows < part.rows:
+                first = ShardRange(part.path, part.start + rows, part.stop, part.shard_rows)
+                return [first, *self.ranges[index + 1:]]
+            rows -= part.rows
+        return []
+
+
+def replica_share(data_dir: Path, replica: int, replicas: int) -> ReplicaShare:
     """The train rows replica `replica` of `replicas` reads (`share_of_rows`), in order."""
-    shards = DatasetMeta.load(data_dir).split("train").shards
-    return [ShardRange(Path(data_dir) / shards[index].file, start, stop)
-            for index, start, stop in share_of_rows([s.rows for s in shards], replica, replicas)]
+    meta = DatasetMeta.load(data_dir)
+    shards = meta.split("train").shards
+    return ReplicaShare(
+        tuple(ShardRange(Path(data_dir) / shards[index].file, start,
+                         shards[index].rows if stop is None else stop, shards[index].rows)
+              for index, start, stop in share_of_rows([s.rows for s in shards], replica,
+                                                      replicas)),
+        meta.block_len)
 
 
-def dataset_name(replica: int) -> str:
-    """The Ray Train dataset key of one replica's stream."""
-    return f"train_{replica}"
+def read_with_pyarrow(ranges: Sequence[ShardRange]) -> Iterator[ShardBlocks]:
+    """The rows of `ranges` of local parquet shards, read with pyarrow (no Ray)."""
+    for part in ranges:
+        yield ShardBlocks(read_blocks(part.path)[part.start:part.stop], str(part.path))
 
 
-def pyarrow_reader(ranges: Sequence[ShardRange]) -> EpochReader:
-    """An epoch reader over row ranges of local parquet shards, without Ray."""
-    return lambda: (ShardBlocks(read_blocks(part.path)[part.start:part.stop], str(part.path))
-                    for part in ranges)
+def read_with_ray_data(ranges: Sequence[ShardRange], rows_per_read: int = 256
+                       ) -> Iterator[ShardBlocks]:
+    """The rows of `ranges`, streamed by Ray Data from this process (a Ray Train worker).
+
+    One dataset over the ranges' shards, made here when a stream opens (at its start or at a
+    resumed position: reading begins at the position's shard, whatever came before it), read
+    by one task of Ray Data's file-based parquet reader (`parquet_datasource_v1`) that streams
+    the shards in order, each row with its file (the `path` column), for error messages and
+    to keep only the ranges' rows (`rows_in_ranges`).
+
+    One task, not one per shard: Ray Data's executor polls without pause once all of a
+    dataset's read tasks have finished while the consumer has not taken their output yet (Ray
+    2.60, `process_completed_tasks` waits only on running tasks). With a task per shard of
+    small data that is at once, and it took half a core from every worker's training for the
+    whole run (2.3x slower rounds of the demo); a single streaming task stays running, held
+    back by the consumer, to the end of the epoch. One sequential reader per replica is far
+    faster than training consumes tokens."""
+    import ray.data
+
+    if not ranges:
+        return
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False
+    context.execution_options.preserve_order = True
+    with parquet_datasource_v1():
+        dataset = ray.data.read_parquet(list(dict.fromkeys(str(part.path) for part in ranges)),
+                                        include_paths=True, override_num_blocks=1)
+    yield from rows_in_ranges(
+        dataset.iter_batches(batch_size=rows_per_read, batch_format="numpy", prefetch_batches=2),
+        ranges)
 
 
-def ray_data_reader(iterator: Any, ranges: Sequence[ShardRange] = (),
-                    rows_per_read: int = 256) -> EpochReader:
-    """An epoch reader over a Ray Data `DataIterator` of a replica's shards (read with
-    `include_paths=True`, as `replica_datasets` does, so every row names its shard).
-
-    `ranges`: the replica's share (`replica_ranges`). Of a shard only partly in it the dataset
-    reads every row, in order, and the rows outside the range are dropped here, counted per
-    file (only small corpora, with fewer shards than replicas, have such shards)."""
+def rows_in_ranges(batches: Iterable[dict[str, np.ndarray]], ranges: Sequence[ShardRange]
+                   ) -> Iterator[ShardBlocks]:
+    """The rows of `ranges` among `batches` of every row of their shards, in order (Ray Data
+    batches with `tokens` and `path` columns). Rows of a shard are counted as they come, so a
+    range that starts mid-shard or ends before its end drops the others."""
     partial = {str(part.path): part for part in ranges if not part.whole}
-
-    def epoch() -> Iterator[ShardBlocks]:
-        rows_seen: dict[str, int] = {}  # per partial shard: its rows read so far this epoch
-        for batch in iterator.iter_batches(batch_size=rows_per_read, batch_format="numpy",
-                                           prefetch_batches=2):
-            files = batch.get(PATH_COLUMN)
-            tokens = np.stack(batch["tokens"])
-            if partial and files is not None:
-                keep = np.ones(len(tokens), dtype=bool)
-                for name, part in partial.items():
-                    where = np.flatnonzero(files == name)
-                    index = rows_seen.get(name, 0) + np.arange(len(where))
-                    rows_seen[name] = rows_seen.get(name, 0) + len(where)
-                    stop = part.stop if part.stop is not None else np.iinfo(np.int64).max
-                    keep[where] = (index >= part.start) & (index < stop)
-                tokens, files = tokens[keep], files[keep]
-                if not len(tokens):
+    rows_seen: dict[str, int] = {}  # per partial shard: its rows read so far
+    for batch in batches:
+        files = batch.get(PATH_COLUMN)
+        tokens = np.stack(batch["tokens"])
+        if partial and files is not None:
+            keep = np.ones(len(tokens), dtype=bool)
+            for name in np.unique(files):
+                part = partial.get(str(name))
+                if part is None:
                     continue
-            yield ShardBlocks(tokens, "a train shard (no path column)" if files is None
-                              else files)
-
-    return epoch
+                where = np.flatnonzero(files == name)
+                index = rows_seen.get(str(name), 0) + np.arange(len(where))
+                rows_seen[str(name)] = int(index[-1]) + 1
+                keep[where] = (index >= part.start) & (index < part.stop)
+            tokens, files = tokens[keep], files[keep]
+            if not len(tokens):
+                continue
+        yield ShardBlocks(tokens, "a train shard (no path column)" if files is None else files)
 
 
 def check_token_ids(blocks: ShardBlocks, vocab_size: int) -> None:
@@ -142,51 +200,58 @@ class StreamPosition:
 
 
 class ReplicaStream:
-    """Batches of `batch_size` sequences of `seq_len` tokens from one replica's blocks, in order.
+    """Batches of `batch_size` sequences of `seq_len` tokens from one replica's share, in order.
 
-    Blocks of `block_len` tokens are cut into `block_len // seq_len` sequences (the remainder of
-    a block, if any, is not used). When the shards are exhausted a new epoch starts over them.
-    With `vocab_size` (the model's), every block read is checked to hold ids below it
+    Rows (blocks of `block_len` tokens) are cut into `block_len // seq_len` sequences (the
+    remainder of a row, if any, is not used). When the share is exhausted a new epoch starts
+    over it, in the same order. A stream opened at a position reads from the shard and row
+    holding it (`ReplicaShare.after`), so resuming costs the same at any position. With
+    `vocab_size` (the model's), every block read is checked to hold ids below it
     (`check_token_ids`: DataError naming the shard); None skips the check.
     """
 
     position: StreamPosition
 
-    def __init__(self, read_epoch: EpochReader, seq_len: int, batch_size: int,
-                 position: StreamPosition | None = None, *,
+    def __init__(self, share: ReplicaShare, read_rows: RowReader, seq_len: int,
+                 batch_size: int, position: StreamPosition | None = None, *,
                  vocab_size: int | None = None) -> None:
-        self._read_epoch = read_epoch
+        if share.block_len < seq_len:
+            raise ValueError(f"data.seq_len ({seq_len}) is longer than the data's blocks "
+                             f"({share.block_len} tokens); lower data.seq_len")
+        self._share = share
+        self._read_rows = read_rows
         self._seq_len = seq_len
+        self._per_row = share.block_len // seq_len
         self._batch_size = batch_size
         self._vocab_size = vocab_size
-        self.position = position or StreamPosition()
-        self._sequences: Iterator[np.ndarray] = self._open_epoch(skip=self.position.sequences)
+        self.seek(position or StreamPosition())
 
     def seek(self, position: StreamPosition) -> None:
-        """Continue from `position` (re-reading the epoch's start: Ray Data cannot seek)."""
+        """Continue from `position`, reading from the shard and row that hold it."""
         self.position = StreamPosition(position.epoch, position.sequences)
-        self._sequences = self._open_epoch(skip=position.sequences)
+        self._sequences = self._open(position.sequences)
 
-    def _open_epoch(self, skip: int) -> Iterator[np.ndarray]:
-        def sequences() -> Iterator[np.ndarray]:
-            to_skip = skip
-            for part in self._read_epoch():
+    def where(self) -> tuple[str, int]:
+        """The shard file and row (within the file) of the next unread sequence; ("", 0) past
+        the end of the epoch."""
+        ranges = self._share.after(self.position.sequences // self._per_row)
+        return (str(ranges[0].path), ranges[0].start) if ranges else ("", 0)
+
+    def _open(self, sequences: int) -> Iterator[np.ndarray]:
+        """The epoch's sequences from number `sequences` on."""
+        rows, to_skip = divmod(sequences, self._per_row)
+        ranges = self._share.after(rows)
+
+        def read() -> Iterator[np.ndarray]:
+            skip = to_skip
+            for part in self._read_rows(ranges):
                 if self._vocab_size is not None:
                     check_token_ids(part, self._vocab_size)
-                blocks = part.tokens
-                per_block = blocks.shape[1] // self._seq_len
-                if per_block == 0:
-                    raise ValueError(
-                        f"data.seq_len ({self._seq_len}) is longer than the data's blocks "
-                        f"({blocks.shape[1]} tokens); lower data.seq_len")
-                seqs = blocks[:, : per_block * self._seq_len].reshape(-1, self._seq_len)
-                if to_skip >= len(seqs):
-                    to_skip -= len(seqs)
-                    continue
-                yield from seqs[to_skip:]
-                to_skip = 0
+                seqs = part.tokens[:, : self._per_row * self._seq_len].reshape(-1, self._seq_len)
+                yield from seqs[skip:]
+                skip = max(0, skip - len(seqs))
 
-        return sequences()
+        return read()
 
     def next_batch(self) -> torch.Tensor:
         """The next (batch_size, seq_len) int64 batch; rolls over to a new epoch when needed."""
@@ -198,40 +263,13 @@ class ReplicaStream:
                 if started_epoch_here:
                     raise ValueError("a replica's shards hold fewer sequences than one batch")
                 self.position = StreamPosition(epoch=self.position.epoch + 1, sequences=0)
-                self._sequences = self._open_epoch(skip=0)
+                self._sequences = self._open(0)
                 started_epoch_here = True
                 rows.clear()  # a batch never straddles two epochs
                 continue
             rows.append(row)
         self.position.sequences += self._batch_size
         return torch.from_numpy(np.stack(rows).astype(np.int64))
-
-
-def replica_datasets(data_dir: Path, replicas: int) -> dict[str, ray.data.Dataset]:
-    """One Ray Data dataset per replica over the shards of its share (`replica_ranges`; order
-    preserved when iterated), each row with its shard's path (the `path` column) for error
-    messages and for `ray_data_reader`'s row ranges.
-
-    Each is one read task (`override_num_blocks=1`) of Ray Data's file-based parquet reader
-    (`parquet_datasource_v1`): it streams the replica's shards in order, and its first batch
-    arrives in about a second instead of tens of seconds. One task, not one per shard: Ray
-    Data's executor in the worker polls without pause once all of a dataset's read tasks have
-    finished while the worker has not consumed their output yet (Ray 2.60,
-    `process_completed_tasks` waits only on running tasks). With a task per shard of small data
-    that is at once, and it took half a core from every worker's training for the whole run
-    (2.3x slower rounds of the demo); a single streaming task stays running, held back by the
-    consumer, to the end of the epoch. One sequential reader per replica is far faster than
-    training consumes tokens."""
-    import ray.data
-
-    with parquet_datasource_v1():
-        return {
-            dataset_name(r): ray.data.read_parquet(
-                list(dict.fromkeys(str(part.path) for part in replica_ranges(data_dir, r,
-                                                                             replicas))),
-                include_paths=True, override_num_blocks=1)
-            for r in range(replicas)
-        }
 
 
 @contextlib.contextmanager
@@ -261,17 +299,3 @@ def parquet_datasource_v1() -> Iterator[None]:
         logger.setLevel(level)
         if flag is not None:
             context.use_datasource_v2 = flag
-
-
-def replica_data_config() -> Any:
-    """A Ray Train DataConfig that leaves each replica's dataset whole and ordered.
-
-    Train's default would split every dataset across all workers; here no dataset is split
-    (each worker may open any replica's stream and only the host of replica r reads
-    `train_r`) and order is preserved, so a replica's stream does not depend on the layout.
-    """
-    from ray.data import ExecutionOptions
-    from ray.train import DataConfig
-
-    return DataConfig(datasets_to_split=[],
-                      execution_options=ExecutionOptions(preserve_order=True))

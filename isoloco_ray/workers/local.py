@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from isoloco_ray.config import TrainConfig
-from isoloco_ray.data.stream import pyarrow_reader, replica_ranges
+from isoloco_ray.data.stream import read_with_pyarrow
 from isoloco_ray.workers.loop import Metrics, Trainer, WorkerEnv
 
 
@@ -26,7 +26,7 @@ class StopAfterRound(Exception):
     """Raised by a local run's report after `stop_after` rounds: a simulated interruption."""
 
 
-def local_env(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1,
+def local_env(rank: int = 0, world: int = 1,
               reports: list[Metrics] | None = None, checkpoints: Path | None = None,
               restore_from: Path | None = None, stop_after: int | None = None,
               device: torch.device | str = "cpu") -> WorkerEnv:
@@ -48,7 +48,7 @@ def local_env(cfg: TrainConfig, data_dir: Path, rank: int = 0, world: int = 1,
 
     return WorkerEnv(
         rank=rank, world=world, device=torch.device(device),
-        read_epoch=lambda r: pyarrow_reader(replica_ranges(data_dir, r, cfg.scaling.replicas)),
+        read_rows=read_with_pyarrow,
         report=report, restore_from=restore_from,
     )
 
@@ -81,7 +81,7 @@ def _train_rank(rank: int, world: int, config: dict[str, Any], data_dir: str
                 ) -> tuple[Metrics, dict[str, torch.Tensor]] | None:
     """One gloo rank of `run_local`: rank 0's summary and final global parameters."""
     cfg = TrainConfig.model_validate(config)
-    trainer = Trainer(cfg, Path(data_dir), local_env(cfg, Path(data_dir), rank, world))
+    trainer = Trainer(cfg, Path(data_dir), local_env(rank, world))
     summary = trainer.run()
     return (summary, trainer.global_params) if rank == 0 else None
 
@@ -97,7 +97,7 @@ def run_local(cfg: TrainConfig, data_dir: Path, threads_per_worker: int = 1, **e
         threads = torch.get_num_threads()
         torch.set_num_threads(threads_per_worker)
         try:
-            trainer = Trainer(cfg, data_dir, local_env(cfg, data_dir, **env_options))
+            trainer = Trainer(cfg, data_dir, local_env(**env_options))
             return trainer.run(), trainer.global_params
         finally:
             torch.set_num_threads(threads)

@@ -23,7 +23,7 @@ from torch import nn
 
 from isoloco_ray.config import TrainConfig, config_differences
 from isoloco_ray.data.format import DataError, DatasetMeta, load_tokenizer, split_files
-from isoloco_ray.data.stream import EpochReader, ReplicaStream
+from isoloco_ray.data.stream import ReplicaStream, RowReader, replica_share
 from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_scalars,
                                              all_gather_strings, all_reduce_scalars,
@@ -48,7 +48,7 @@ class WorkerEnv:
     rank: int
     world: int
     device: torch.device
-    read_epoch: Callable[[int], EpochReader]  # replica index -> its epoch reader
+    read_rows: RowReader  # reads row ranges of train shards (Ray Data, or pyarrow)
     # Called by every rank once per round with the metrics and, on checkpoint rounds, the
     # directory holding this rank's checkpoint files (valid only during the call).
     report: Callable[[Metrics, Path | None], None]
@@ -88,7 +88,8 @@ class Trainer:
         fused = env.device.type == "cuda"
         self.replicas = [
             Replica(r, self.model, cfg.inner, total_steps,
-                    ReplicaStream(env.read_epoch(r), cfg.data.seq_len, cfg.data.batch_size,
+                    ReplicaStream(replica_share(data_dir, r, cfg.scaling.replicas),
+                                  env.read_rows, cfg.data.seq_len, cfg.data.batch_size,
                                   vocab_size=self.model.config.vocab_size),
                     fused=fused)
             for r in self.layout.hosted
@@ -418,7 +419,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     import ray.train
     import ray.train.torch
 
-    from isoloco_ray.data.stream import dataset_name, ray_data_reader, replica_ranges
+    from isoloco_ray.data.stream import read_with_ray_data
 
     cfg = TrainConfig.model_validate(loop_config["config"])
     # Ray gives OMP_NUM_THREADS the worker's whole CPUs, but torch may have read it before, or
@@ -441,9 +442,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
             rank=rank,
             world=context.get_world_size(),
             device=ray.train.torch.get_device(),
-            read_epoch=lambda r: ray_data_reader(
-                ray.train.get_dataset_shard(dataset_name(r)),
-                replica_ranges(data_dir, r, cfg.scaling.replicas)),
+            read_rows=read_with_ray_data,
             report=report,
             restore_from=restore_from,
             after_replica=kill_once_hook(loop_config.get("kill_at")),

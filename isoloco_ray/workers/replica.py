@@ -9,6 +9,7 @@ declared at the top of `Replica`.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from isoloco_ray.config import InnerConfig
 from isoloco_ray.data.stream import ReplicaStream, StreamPosition
+from isoloco_ray.workers.checkpoint import CheckpointError
 from isoloco_ray.workers.layout import ReplicaShard
 from isoloco_ray.workers.model import Runtime
 
@@ -122,16 +124,31 @@ class Replica:
         return delta, loss if shard is None else shard.mean(loss, runtime.device)
 
     def state_dict(self) -> dict[str, Any]:
-        """AdamW state, LR schedule and stream position: tensors and plain values only."""
+        """AdamW state, LR schedule and stream position: tensors and plain values only. The
+        position is the count of sequences read this epoch and, to check it on resume, the
+        shard file (its name) and row it stands at."""
+        shard, row = self.stream.where()
         return {"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
                 "stream": {"epoch": self.stream.position.epoch,
-                           "sequences": self.stream.position.sequences}}
+                           "sequences": self.stream.position.sequences,
+                           "shard": Path(shard).name, "row": row}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore `state_dict()`; the stream continues with its next unseen batch."""
+        """Restore `state_dict()`; the stream continues with its next unseen batch, read from
+        the shard and row it stood at (CheckpointError if the data's shards now put that
+        position elsewhere: they changed since the checkpoint)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
-        self.stream.seek(StreamPosition(**state["stream"]))
+        saved = state["stream"]
+        self.stream.seek(StreamPosition(saved["epoch"], saved["sequences"]))
+        shard, row = self.stream.where()
+        if "shard" in saved and (saved["shard"], saved["row"]) != (Path(shard).name, row):
+            raise CheckpointError(
+                f"replica {self.index}'s checkpoint stands at row {saved['row']} of train "
+                f"shard {saved['shard']}, but the data's shards now put its position "
+                f"({saved['sequences']} sequences into epoch {saved['epoch']}) at row {row} of "
+                f"{Path(shard).name or 'the end'}: the data changed since the run began; resume "
+                "with the data it was trained on")
 
     def reset_optimizer(self) -> None:
         """Forget AdamW's moments (after a diverged round left them NaN); the LR schedule and
