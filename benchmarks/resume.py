@@ -6,8 +6,9 @@ them all), read with pyarrow and with Ray Data (a local Ray cluster, as a worker
     python benchmarks/resume.py                      # 100M tokens
     python benchmarks/resume.py --tokens 20e6 --repeat 1
 
-"re-read (before)" is what a resume cost before streams opened at their shard and row: the
-epoch read from its start and the sequences before the position skipped.
+"re-read from the start (before)" is what a resume cost before streams opened at their shard
+and row: the epoch read from its start (with Ray Data, one dataset over the whole share) and
+the sequences before the position skipped.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import numpy as np
 
 from isoloco_ray.data.format import (DatasetMeta, ShardInfo, SplitInfo, shard_name,
                                      write_blocks)
-from isoloco_ray.data.stream import (ReplicaStream, StreamPosition, read_with_pyarrow,
-                                     read_with_ray_data, replica_share)
+from isoloco_ray.data.stream import (ReplicaStream, RowReader, StreamPosition, closing,
+                                     read_with_pyarrow, read_with_ray_data, replica_share)
 
 BLOCK_LEN = 2048
 SHARD_BLOCKS = 2048
@@ -57,19 +58,23 @@ def seconds_to_first_batch(open_stream: Callable[[], ReplicaStream], repeat: int
     best = float("inf")
     for _ in range(repeat):
         started = time.perf_counter()
-        open_stream().next_batch()
+        stream = open_stream()
+        stream.next_batch()
         best = min(best, time.perf_counter() - started)
+        stream.close()
     return best
 
 
-def reread_seconds(data_dir: Path, sequences: int) -> float:
-    """Reading the epoch from its start up to `sequences` (the resume before this change)."""
+def reread_seconds(data_dir: Path, sequences: int, read_rows: RowReader) -> float:
+    """Reading the epoch from its start up to `sequences`: a resume before streams opened at
+    their shard and row (then with one Ray Data dataset over the whole share)."""
     started = time.perf_counter()
     left = sequences
-    for part in read_with_pyarrow(replica_share(data_dir, 0, 1).ranges):
-        left -= len(part.tokens) * (BLOCK_LEN // SEQ_LEN)
-        if left <= 0:
-            break
+    with closing(read_rows(replica_share(data_dir, 0, 1).ranges)) as parts:
+        for part in parts:
+            left -= len(part.tokens) * (BLOCK_LEN // SEQ_LEN)
+            if left <= 0:
+                break
     return time.perf_counter() - started
 
 
@@ -94,19 +99,23 @@ def main() -> None:
 
             start_local_cluster(4)
             readers["Ray Data"] = read_with_ray_data
-        print("| reader | position | shard, row | seconds to first batch |")
-        print("|---|---|---|--:|")
+        before: dict[str, RowReader] = {
+            "pyarrow": read_with_pyarrow,
+            "Ray Data": lambda ranges: read_with_ray_data(ranges,
+                                                          shards_per_dataset=len(ranges))}
+        print("| reader | position | shard, row | seconds to first batch | re-read from the "
+              "start (before) |")
+        print("|---|---|---|--:|--:|")
         for name, read_rows in readers.items():
             for label, at in positions.items():
                 def open_stream(at: int = at, read_rows=read_rows) -> ReplicaStream:
                     return ReplicaStream(share, read_rows, SEQ_LEN, BATCH,
                                          StreamPosition(0, at))
                 shard, row = open_stream().where()
+                reread = reread_seconds(data_dir, at, before[name]) if at else 0.0
                 print(f"| {name} | {label} ({at:,} seqs) | {Path(shard).name}, {row} | "
-                      f"{seconds_to_first_batch(open_stream, args.repeat):.3f} |", flush=True)
-        at = positions["near the end"]
-        print(f"| re-read (before) | near the end ({at:,} seqs) | - | "
-              f"{reread_seconds(data_dir, at):.3f} |")
+                      f"{seconds_to_first_batch(open_stream, args.repeat):.3f} | "
+                      f"{reread:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

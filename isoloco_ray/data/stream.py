@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -41,8 +42,13 @@ class ShardBlocks:
         return self.files if isinstance(self.files, str) else str(self.files[row])
 
 
+T = TypeVar("T")
+
 # Ray Data's column with each row's file, added by read_parquet(include_paths=True).
 PATH_COLUMN = "path"
+# Shards a replica's Ray Data reader opens at once (read_with_ray_data).
+SHARDS_PER_DATASET = 8
+BLOCK_BYTES = 4 << 20  # Ray Data's block size in a replica's reader
 
 
 @dataclass(frozen=True)
@@ -116,36 +122,43 @@ def read_with_pyarrow(ranges: Sequence[ShardRange]) -> Iterator[ShardBlocks]:
         yield ShardBlocks(read_blocks(part.path)[part.start:part.stop], str(part.path))
 
 
-def read_with_ray_data(ranges: Sequence[ShardRange], rows_per_read: int = 256
-                       ) -> Iterator[ShardBlocks]:
+def read_with_ray_data(ranges: Sequence[ShardRange], rows_per_read: int = 256,
+                       shards_per_dataset: int = SHARDS_PER_DATASET) -> Iterator[ShardBlocks]:
     """The rows of `ranges`, streamed by Ray Data from this process (a Ray Train worker).
 
-    One dataset over the ranges' shards, made here when a stream opens (at its start or at a
-    resumed position: reading begins at the position's shard, whatever came before it), read
-    by one task of Ray Data's file-based parquet reader (`parquet_datasource_v1`) that streams
-    the shards in order, each row with its file (the `path` column), for error messages and
-    to keep only the ranges' rows (`rows_in_ranges`).
+    Datasets of `shards_per_dataset` shards at a time, in order, made here when a stream opens
+    (at its start or at a resumed position: reading begins at the position's shard, whatever
+    came before it) and as it goes on. Each is read by one task of Ray Data's file-based
+    parquet reader (`parquet_datasource_v1`) that streams its shards in order, each row with its
+    file (the `path` column), for error messages and to keep only the ranges' rows
+    (`rows_in_ranges`), in small blocks (`BLOCK_BYTES`) so that the first rows come as soon
+    as they are read. Making a dataset reads its files' footers, so a few shards at a time keep
+    opening a stream the same cost anywhere in a share of any size.
 
     One task, not one per shard: Ray Data's executor polls without pause once all of a
     dataset's read tasks have finished while the consumer has not taken their output yet (Ray
     2.60, `process_completed_tasks` waits only on running tasks). With a task per shard of
     small data that is at once, and it took half a core from every worker's training for the
     whole run (2.3x slower rounds of the demo); a single streaming task stays running, held
-    back by the consumer, to the end of the epoch. One sequential reader per replica is far
+    back by the consumer, to the end of its shards. One sequential reader per replica is far
     faster than training consumes tokens."""
     import ray.data
 
-    if not ranges:
-        return
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.execution_options.preserve_order = True
-    with parquet_datasource_v1():
-        dataset = ray.data.read_parquet(list(dict.fromkeys(str(part.path) for part in ranges)),
-                                        include_paths=True, override_num_blocks=1)
-    yield from rows_in_ranges(
-        dataset.iter_batches(batch_size=rows_per_read, batch_format="numpy", prefetch_batches=2),
-        ranges)
+    # The read task hands rows on in blocks of this size: at Ray's default (128 MiB) the first
+    # batch waits for 8 shards of a 178M run's data to be read, here for a few hundred rows.
+    context.target_max_block_size = BLOCK_BYTES
+    for first in range(0, len(ranges), shards_per_dataset):
+        window = ranges[first:first + shards_per_dataset]
+        with parquet_datasource_v1():
+            dataset = ray.data.read_parquet(
+                list(dict.fromkeys(str(part.path) for part in window)), include_paths=True,
+                override_num_blocks=1)
+        with closing(dataset.iter_batches(batch_size=rows_per_read, batch_format="numpy",
+                                          prefetch_batches=2)) as batches:
+            yield from rows_in_ranges(batches, window)
 
 
 def rows_in_ranges(batches: Iterable[dict[str, np.ndarray]], ranges: Sequence[ShardRange]
@@ -211,6 +224,7 @@ class ReplicaStream:
     """
 
     position: StreamPosition
+    _sequences: Generator[np.ndarray, None, None] | None = None  # the open reader's sequences
 
     def __init__(self, share: ReplicaShare, read_rows: RowReader, seq_len: int,
                  batch_size: int, position: StreamPosition | None = None, *,
@@ -228,8 +242,15 @@ class ReplicaStream:
 
     def seek(self, position: StreamPosition) -> None:
         """Continue from `position`, reading from the shard and row that hold it."""
+        self.close()
         self.position = StreamPosition(position.epoch, position.sequences)
         self._sequences = self._open(position.sequences)
+
+    def close(self) -> None:
+        """Stop the reader now (Ray Data's executor and its threads with it), not when it is
+        garbage collected: an open one left at exit can keep the process from ending."""
+        if self._sequences is not None:
+            self._sequences.close()
 
     def where(self) -> tuple[str, int]:
         """The shard file and row (within the file) of the next unread sequence; ("", 0) past
@@ -237,19 +258,21 @@ class ReplicaStream:
         ranges = self._share.after(self.position.sequences // self._per_row)
         return (str(ranges[0].path), ranges[0].start) if ranges else ("", 0)
 
-    def _open(self, sequences: int) -> Iterator[np.ndarray]:
+    def _open(self, sequences: int) -> Generator[np.ndarray, None, None]:
         """The epoch's sequences from number `sequences` on."""
         rows, to_skip = divmod(sequences, self._per_row)
         ranges = self._share.after(rows)
 
-        def read() -> Iterator[np.ndarray]:
+        def read() -> Generator[np.ndarray, None, None]:
             skip = to_skip
-            for part in self._read_rows(ranges):
-                if self._vocab_size is not None:
-                    check_token_ids(part, self._vocab_size)
-                seqs = part.tokens[:, : self._per_row * self._seq_len].reshape(-1, self._seq_len)
-                yield from seqs[skip:]
-                skip = max(0, skip - len(seqs))
+            with closing(self._read_rows(ranges)) as parts:
+                for part in parts:
+                    if self._vocab_size is not None:
+                        check_token_ids(part, self._vocab_size)
+                    seqs = part.tokens[:, : self._per_row * self._seq_len]
+                    seqs = seqs.reshape(-1, self._seq_len)
+                    yield from seqs[skip:]
+                    skip = max(0, skip - len(seqs))
 
         return read()
 
@@ -262,14 +285,25 @@ class ReplicaStream:
             if row is None:
                 if started_epoch_here:
                     raise ValueError("a replica's shards hold fewer sequences than one batch")
-                self.position = StreamPosition(epoch=self.position.epoch + 1, sequences=0)
-                self._sequences = self._open(0)
+                self.seek(StreamPosition(epoch=self.position.epoch + 1, sequences=0))
                 started_epoch_here = True
                 rows.clear()  # a batch never straddles two epochs
                 continue
             rows.append(row)
         self.position.sequences += self._batch_size
         return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+@contextlib.contextmanager
+def closing(iterable: Iterable[T]) -> Iterator[Iterator[T]]:
+    """An iterator over `iterable`, closed on leaving (if it can be: generators)."""
+    iterator = iter(iterable)
+    try:
+        yield iterator
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
 
 
 @contextlib.contextmanager

@@ -287,6 +287,9 @@ class Trainer:
         except TrainingStopped as stop:
             # Returned, not raised: a retry from the last checkpoint would only repeat it.
             return {"error": str(stop), "rounds": self.round}
+        finally:
+            for replica in self.replicas:
+                replica.stream.close()
         load_parameters(self.model, self.global_params)
         return self.summary()
 
