@@ -130,6 +130,11 @@ class ScalingConfig(_Section):
         "threads in it (the whole part, at least 1). Unset: on a local cluster (no RAY_ADDRESS) "
         "the cores per worker (cores // workers, at least 1); on a cluster joined through "
         "RAY_ADDRESS, and in Tune grids, 1. A resumed run keeps the value it started with")
+    min_workers: int | None = Field(
+        None, gt=0, description="elastic: start (and go on after losing nodes) with as few as "
+        "this many workers, growing to R·G/V when the cluster has room; only worker counts "
+        "that keep whole replicas on each worker are used (scaling.worker_counts). Unset: "
+        "exactly R·G/V workers")
 
     @model_validator(mode="after")
     def _check_layout(self) -> ScalingConfig:
@@ -144,7 +149,33 @@ class ScalingConfig(_Section):
                 f"scaling.workers_per_replica ({self.workers_per_replica}) > 1 spreads one "
                 "replica over several workers, so each worker hosts exactly one: set "
                 "--scaling.replicas_per_worker=1")
+        if self.min_workers is not None and self.min_workers not in self.allowed_workers():
+            raise ValueError(
+                f"scaling.min_workers ({self.min_workers}) must be one of "
+                f"{self.allowed_workers()}: the worker counts up to R·G/V = "
+                f"{self.num_workers} that split R = {self.replicas} replicas evenly (a replica "
+                "spread over workers_per_replica > 1 workers needs them all)")
         return self
+
+    def allowed_workers(self) -> list[int]:
+        """Every worker count W ≤ R/V on which the run's replicas lay out whole: the divisors
+        of R (each worker then hosts R/W of them). A replica spread over G > 1 workers needs
+        all R·G of them."""
+        if self.workers_per_replica > 1:
+            return [self.num_workers]
+        return [w for w in range(1, self.num_workers + 1) if self.replicas % w == 0]
+
+    @property
+    def worker_counts(self) -> list[int]:
+        """The worker counts the run may use: R·G/V alone, or with scaling.min_workers the
+        allowed ones from it up."""
+        if self.min_workers is None:
+            return [self.num_workers]
+        return [w for w in self.allowed_workers() if w >= self.min_workers]
+
+    def replicas_per_worker_at(self, workers: int) -> int:
+        """V when the run has `workers` workers (one of worker_counts): R·G/W."""
+        return self.replicas * self.workers_per_replica // workers
 
     @property
     def num_workers(self) -> int:

@@ -22,6 +22,7 @@ from isoloco_ray.config import (ConfigError, ScalingConfig, TrainConfig, config_
                                 load_config)
 from isoloco_ray.data.checks import epochs, validated_data_dir
 from isoloco_ray.data.format import DataError, DatasetMeta
+from isoloco_ray.elastic import allowed_counts_only, ray_scaling_config
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
 
 # Ray's defaults print dozens of lines per run on a laptop; these keep the console to our
@@ -227,12 +228,7 @@ def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any
                            "run_dir": str(run_dir), "progress": progress,
                            # Test hook: see workers/loop.py kill_once_hook.
                            "kill_at": os.environ.get("ISOLOCO_RAY_KILL_AT")},
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-            resources_per_worker={"CPU": cfg.scaling.worker_cpus},
-            # Ranks are contiguous per node, so PACK keeps a replica's G workers (ranks
-            # g·G … g·G+G-1), which all-reduce every inner step, on one node.
-            placement_strategy="PACK"),
+        scaling_config=ray_scaling_config(cfg.scaling),
         run_config=ray.train.RunConfig(
             name=run_dir.name, storage_path=str(run_dir.parent), callbacks=list(callbacks),
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
@@ -247,16 +243,23 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
 
     `callbacks`: Ray Train callbacks (Tune's in a grid); `on_metrics`: called in the driver
     with every report."""
+    import ray
     from ray.util.queue import Queue
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    progress = Queue(actor_options={"num_cpus": 0})
+    # On this (the driver's) node: a queue on a node that is lost would take every later
+    # progress line with it, while the run goes on elsewhere.
+    progress = Queue(actor_options={"num_cpus": 0, "scheduling_strategy":
+                                    NodeAffinitySchedulingStrategy(
+                                        ray.get_runtime_context().get_node_id(), soft=False)})
     stop = threading.Event()
     follower = threading.Thread(target=follow_progress, daemon=True,
                                 args=(progress, cfg.run.rounds, run_dir / "metrics.jsonl", stop,
                                       on_metrics))
     follower.start()
     try:
-        result = build_trainer(cfg, data_dir, run_dir, progress, callbacks).fit()
+        with allowed_counts_only(cfg.scaling):
+            result = build_trainer(cfg, data_dir, run_dir, progress, callbacks).fit()
     finally:
         stop.set()
         follower.join()

@@ -33,7 +33,7 @@ from isoloco_ray.data.format import (
     DataError, DatasetMeta, read_blocks, split_files, verify, write_blocks,
 )
 from isoloco_ray.data.stream import (
-    ReplicaStream, read_with_pyarrow, read_with_ray_data, replica_share, rows_in_ranges,
+    ReplicaStream, ShardBlocks, read_with_pyarrow, read_with_ray_data, replica_share,
 )
 
 from isoloco_ray.testing import synthetic_documents
@@ -243,8 +243,8 @@ def test_ray_data_rows_name_the_shard_of_each_row(data: Path) -> None:
     tokens[:] = list(rows)
     paths = np.array([str(files[0])] * 3 + [str(files[1])] * 3, dtype=object)
 
-    def recorded(ranges: object) -> object:
-        return rows_in_ranges([{"tokens": tokens, "path": paths}], [])
+    def recorded(ranges: object) -> list[ShardBlocks]:
+        return [ShardBlocks(np.stack(tokens), paths)]
 
     with pytest.raises(DataError, match=rf"^{re.escape(str(files[1]))}: token id {vocab} "):
         ReplicaStream(share, recorded, 64, 2, vocab_size=vocab).next_batch()

@@ -8,8 +8,7 @@ import torch
 
 from isoloco_ray.data.format import read_blocks, share_of_rows, split_files
 from isoloco_ray.data.stream import (ReplicaShare, ReplicaStream, ShardRange, StreamPosition,
-                                     read_with_pyarrow, read_with_ray_data, replica_share,
-                                     rows_in_ranges)
+                                     read_with_pyarrow, read_with_ray_data, replica_share)
 
 
 def blocks_of(ranges):
@@ -135,36 +134,29 @@ def test_share_after_skips_whole_and_partial_ranges():
     assert share.after(10) == []
 
 
-def test_rows_in_ranges_keeps_only_the_ranges_rows():
-    """Batches carry every row of the shards; a range starting or ending mid-shard keeps its
-    rows, counted per file across batches."""
-    rows = {name: np.arange(count * 2).reshape(count, 2) + 100 * i
-            for i, (name, count) in enumerate([("a", 5), ("b", 4)])}
-    every = [(name, row) for name in rows for row in rows[name]]
-    batches = []
-    for i in range(0, len(every), 3):
-        chunk = every[i:i + 3]
-        tokens = np.empty(len(chunk), dtype=object)
-        tokens[:] = [row for _, row in chunk]
-        batches.append({"tokens": tokens, "path": np.array([n for n, _ in chunk], dtype=object)})
-    ranges = [ShardRange("a", 3, 5, 5), ShardRange("b", 0, 2, 4)]
-    kept = list(rows_in_ranges(batches, ranges))
-    np.testing.assert_array_equal(np.concatenate([b.tokens for b in kept]),
-                                  np.concatenate([rows["a"][3:], rows["b"][:2]]))
-    assert [b.file_of(i) for b in kept for i in range(len(b.tokens))] == ["a", "a", "b", "b"]
+def test_ray_source_reads_exactly_the_ranges_in_small_tables(small_dataset):
+    """The read task's tables: the ranges' rows only, in order, each row with its file, at
+    most rows_per_block rows each (what Ray Data then hands on)."""
+    from isoloco_ray.data.ray_source import read_ranges
+
+    share = replica_share(small_dataset, 0, 3)
+    ranges = share.after(share.rows // 2 + 3)
+    tables = list(read_ranges(ranges, rows_per_block=5))
+    assert max(t.num_rows for t in tables) == 5
+    np.testing.assert_array_equal(
+        np.concatenate([np.stack(t.column("tokens").to_numpy(zero_copy_only=False))
+                        for t in tables]), blocks_of(ranges))
+    assert [p for t in tables for p in t.column("path").to_pylist()] == \
+        [str(part.path) for part in ranges for _ in range(part.rows)]
 
 
 @pytest.mark.ray
 @pytest.mark.parametrize("more_replicas_than_shards", [False, True])
 def test_ray_data_streams_read_each_replicas_share_like_pyarrow(ray_cluster, small_dataset,
                                                                 more_replicas_than_shards):
-    """What a replica reads through Ray Data (V1's reader) is its share's rows in order, each
-    with its file, as the Ray-free reader gives them, whole shards or row ranges of them, from
-    the start or from a resumed position; the DataContext flag is restored afterwards."""
-    import ray.data
-
-    context = ray.data.DataContext.get_current()
-    flag = context.use_datasource_v2
+    """What a replica reads through Ray Data is its share's rows in order, each with its file,
+    as the Ray-free reader gives them, whole shards or row ranges of them, from the start or
+    from a resumed position."""
     shards = len(split_files(small_dataset, "train"))
     replicas = 2 * shards + 1 if more_replicas_than_shards else 3
     for r in (0, replicas - 1):
@@ -172,13 +164,12 @@ def test_ray_data_streams_read_each_replicas_share_like_pyarrow(ray_cluster, sma
         assert all(part.whole for part in share.ranges) != more_replicas_than_shards
         for skip in (0, share.rows // 2 + 1):
             ranges = share.after(skip)
-            ray_rows = list(read_with_ray_data(ranges, rows_per_read=7))
+            ray_rows = list(read_with_ray_data(ranges, rows_per_batch=7))
             local = list(read_with_pyarrow(ranges))
             np.testing.assert_array_equal(np.concatenate([b.tokens for b in ray_rows]),
                                           np.concatenate([b.tokens for b in local]))
             assert [b.file_of(i) for b in ray_rows for i in range(len(b.tokens))] == \
                 [b.file_of(i) for b in local for i in range(len(b.tokens))]
-    assert context.use_datasource_v2 == flag
     share = replica_share(small_dataset, 1, replicas)
     expected = blocks_of(share.ranges).reshape(-1, 32)
     stream = stream_of(share, 32, 5, StreamPosition(0, 3), read_rows=read_with_ray_data)

@@ -18,11 +18,10 @@ with its file instead of failing as an index error inside the embedding.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -46,9 +45,8 @@ T = TypeVar("T")
 
 # Ray Data's column with each row's file, added by read_parquet(include_paths=True).
 PATH_COLUMN = "path"
-# Shards a replica's Ray Data reader opens at once (read_with_ray_data).
-SHARDS_PER_DATASET = 8
 BLOCK_BYTES = 4 << 20  # Ray Data's block size in a replica's reader
+ROWS_PER_BLOCK = 256  # rows in each table the read task yields
 
 
 @dataclass(frozen=True)
@@ -122,69 +120,55 @@ def read_with_pyarrow(ranges: Sequence[ShardRange]) -> Iterator[ShardBlocks]:
         yield ShardBlocks(read_blocks(part.path)[part.start:part.stop], str(part.path))
 
 
-def read_with_ray_data(ranges: Sequence[ShardRange], rows_per_read: int = 256,
-                       shards_per_dataset: int = SHARDS_PER_DATASET) -> Iterator[ShardBlocks]:
+def read_with_ray_data(ranges: Sequence[ShardRange], rows_per_batch: int = 256
+                       ) -> Iterator[ShardBlocks]:
     """The rows of `ranges`, streamed by Ray Data from this process (a Ray Train worker).
 
-    Datasets of `shards_per_dataset` shards at a time, in order, made here when a stream opens
-    (at its start or at a resumed position: reading begins at the position's shard, whatever
-    came before it) and as it goes on. Each is read by one task of Ray Data's file-based
-    parquet reader (`parquet_datasource_v1`) that streams its shards in order, each row with its
-    file (the `path` column), for error messages and to keep only the ranges' rows
-    (`rows_in_ranges`), in small blocks (`BLOCK_BYTES`) so that the first rows come as soon
-    as they are read. Making a dataset reads its files' footers, so a few shards at a time keep
-    opening a stream the same cost anywhere in a share of any size.
+    One dataset over the ranges, made here when a stream opens (at its start or at a resumed
+    position: reading begins at the position's shard and row, whatever came before it), read
+    by one task (`ray_source.ShardRangesSource`) that streams the rows in order in small
+    blocks, each row with its shard file (the `path` column) for error messages. Nothing is
+    planned with other tasks, so opening a stream costs the same anywhere in a share of any
+    size, and needs no free CPU (`reader_task_options`).
 
     One task, not one per shard: Ray Data's executor polls without pause once all of a
     dataset's read tasks have finished while the consumer has not taken their output yet (Ray
     2.60, `process_completed_tasks` waits only on running tasks). With a task per shard of
     small data that is at once, and it took half a core from every worker's training for the
     whole run (2.3x slower rounds of the demo); a single streaming task stays running, held
-    back by the consumer, to the end of its shards. One sequential reader per replica is far
+    back by the consumer, to the end of its ranges. One sequential reader per replica is far
     faster than training consumes tokens."""
     import ray.data
 
+    from isoloco_ray.data.ray_source import ShardRangesSource
+
+    if not ranges:
+        return
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.execution_options.preserve_order = True
-    # The read task hands rows on in blocks of this size: at Ray's default (128 MiB) the first
-    # batch waits for 8 shards of a 178M run's data to be read, here for a few hundred rows.
+    # Blocks as the task yields them: at Ray's default (128 MiB) its output buffer would hold
+    # the first rows back until 128 MiB of shards (8 of a 178M run's) had been read.
     context.target_max_block_size = BLOCK_BYTES
-    for first in range(0, len(ranges), shards_per_dataset):
-        window = ranges[first:first + shards_per_dataset]
-        with parquet_datasource_v1():
-            dataset = ray.data.read_parquet(
-                list(dict.fromkeys(str(part.path) for part in window)), include_paths=True,
-                override_num_blocks=1)
-        with closing(dataset.iter_batches(batch_size=rows_per_read, batch_format="numpy",
-                                          prefetch_batches=2)) as batches:
-            yield from rows_in_ranges(batches, window)
+    dataset = ray.data.read_datasource(
+        ShardRangesSource(ranges, rows_per_block=ROWS_PER_BLOCK), override_num_blocks=1,
+        ray_remote_args=reader_task_options())
+    with closing(dataset.iter_batches(batch_size=rows_per_batch, batch_format="numpy",
+                                      prefetch_batches=2)) as batches:
+        for batch in batches:
+            yield ShardBlocks(np.stack(batch["tokens"]), batch[PATH_COLUMN])
 
 
-def rows_in_ranges(batches: Iterable[dict[str, np.ndarray]], ranges: Sequence[ShardRange]
-                   ) -> Iterator[ShardBlocks]:
-    """The rows of `ranges` among `batches` of every row of their shards, in order (Ray Data
-    batches with `tokens` and `path` columns). Rows of a shard are counted as they come, so a
-    range that starts mid-shard or ends before its end drops the others."""
-    partial = {str(part.path): part for part in ranges if not part.whole}
-    rows_seen: dict[str, int] = {}  # per partial shard: its rows read so far
-    for batch in batches:
-        files = batch.get(PATH_COLUMN)
-        tokens = np.stack(batch["tokens"])
-        if partial and files is not None:
-            keep = np.ones(len(tokens), dtype=bool)
-            for name in np.unique(files):
-                part = partial.get(str(name))
-                if part is None:
-                    continue
-                where = np.flatnonzero(files == name)
-                index = rows_seen.get(str(name), 0) + np.arange(len(where))
-                rows_seen[str(name)] = int(index[-1]) + 1
-                keep[where] = (index >= part.start) & (index < part.stop)
-            tokens, files = tokens[keep], files[keep]
-            if not len(tokens):
-                continue
-        yield ShardBlocks(tokens, "a train shard (no path column)" if files is None else files)
+def reader_task_options() -> dict[str, Any]:
+    """Ray options of a replica's read task: no CPU reservation, on this worker's node if it
+    can. The task is one sequential parquet reader held back by the training it feeds; were
+    it to wait for a free CPU it could wait forever on a cluster whose CPUs all hold training
+    workers (as after an elastic restart on the nodes left), and its worker with it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=True)}
 
 
 def check_token_ids(blocks: ShardBlocks, vocab_size: int) -> None:
@@ -304,32 +288,3 @@ def closing(iterable: Iterable[T]) -> Iterator[Iterator[T]]:
         close = getattr(iterator, "close", None)
         if close is not None:
             close()
-
-
-@contextlib.contextmanager
-def parquet_datasource_v1() -> Iterator[None]:
-    """`read_parquet` calls inside use Ray Data's file-based ParquetDatasource (V1).
-
-    Ray 2.60 routes read_parquet through its DataSourceV2 by default, whose every execution
-    first provisions a pool of 32 FooterReader actors (RAY_DATA_PARQUET_FOOTER_NUM_ACTORS) to
-    read the files' footers: 32 new worker processes per replica stream, each importing Ray
-    Data. On a small machine that is 15-40 s before a replica's first batch, paid by every
-    replica of the first round. V1 reads the footers in the driver when the dataset is made (a
-    couple of sampling tasks) and its read tasks deliver the first batch in about a second.
-    Both read the same rows in the same order (tests/test_stream.py). The driver's flag and
-    V1's logger (it logs its estimated batch size on the console) are restored afterwards; a
-    Ray without the flag reads as it always does."""
-    import ray.data
-
-    context = ray.data.DataContext.get_current()
-    logger = logging.getLogger("ray.data._internal.datasource.parquet_datasource")
-    flag, level = getattr(context, "use_datasource_v2", None), logger.level
-    if flag is not None:
-        context.use_datasource_v2 = False
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-        if flag is not None:
-            context.use_datasource_v2 = flag

@@ -63,9 +63,9 @@ class WorkerLayout:
     def create(cls, scaling: ScalingConfig, rank: int, world: int) -> WorkerLayout:
         """The layout of worker `rank`; with G > 1 this builds the process groups, so every
         rank must call it, in the same order relative to other collectives."""
-        if world != scaling.num_workers:
-            raise ValueError(f"the run has {world} workers but the scaling section needs "
-                             f"R·G/V = {scaling.num_workers}")
+        if world not in scaling.worker_counts:
+            raise ValueError(f"the run has {world} workers but the scaling section allows "
+                             f"{scaling.worker_counts} (R·G/V, or from scaling.min_workers)")
         per_replica = scaling.workers_per_replica
         shard, outer_group = None, None
         if per_replica > 1:
@@ -75,7 +75,8 @@ class WorkerLayout:
             outer_group, _ = dist.new_subgroups_by_enumeration(
                 [list(range(p, world, per_replica)) for p in range(per_replica)])
             shard = ReplicaShard(rank % per_replica, per_replica, replica_group)
-        return cls(rank, world, scaling.replicas_per_worker, per_replica, shard, outer_group)
+        return cls(rank, world, scaling.replicas_per_worker_at(world), per_replica, shard,
+                   outer_group)
 
     @property
     def position(self) -> int:
@@ -92,3 +93,23 @@ class WorkerLayout:
     def saves_replicas(self) -> bool:
         """The replica's workers hold identical state: the first one checkpoints it."""
         return self.position == 0
+
+
+def replicas_split_across_nodes(node_of_rank: list[str], workers_per_replica: int) -> list[int]:
+    """The replica slots (ranks g·G … g·G+G-1) whose workers are not all on one node."""
+    return [slot for slot in range(len(node_of_rank) // workers_per_replica)
+            if len(set(node_of_rank[slot * workers_per_replica:
+                                    (slot + 1) * workers_per_replica])) > 1]
+
+
+def placement_warning(node_of_rank: list[str], workers_per_replica: int) -> str | None:
+    """A warning naming the replicas whose G workers sit on different nodes (each inner step
+    then all-reduces gradients between nodes: correct, but slow), or None."""
+    split = replicas_split_across_nodes(node_of_rank, workers_per_replica)
+    if not split:
+        return None
+    return (f"warning: the workers of replica slot(s) {split} are on different nodes (ranks "
+            f"g·{workers_per_replica} … g·{workers_per_replica}+{workers_per_replica - 1} "
+            "all-reduce every inner step): Ray's PACK placement filled nodes unevenly; make "
+            "each node hold a multiple of scaling.workers_per_replica workers (e.g. set "
+            "scaling.cpus_per_worker to the node's CPUs / workers_per_replica)")

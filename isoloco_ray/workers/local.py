@@ -77,22 +77,25 @@ def in_gloo_group(fn: Callable[..., Any], world: int, *args: Any, threads: int =
                 for rank in range(world)]
 
 
-def _train_rank(rank: int, world: int, config: dict[str, Any], data_dir: str
-                ) -> tuple[Metrics, dict[str, torch.Tensor]] | None:
+def _train_rank(rank: int, world: int, config: dict[str, Any], data_dir: str,
+                restore_from: str | None) -> tuple[Metrics, dict[str, torch.Tensor]] | None:
     """One gloo rank of `run_local`: rank 0's summary and final global parameters."""
     cfg = TrainConfig.model_validate(config)
-    trainer = Trainer(cfg, Path(data_dir), local_env(rank, world))
+    trainer = Trainer(cfg, Path(data_dir), local_env(
+        rank, world, restore_from=None if restore_from is None else Path(restore_from)))
     summary = trainer.run()
     return (summary, trainer.global_params) if rank == 0 else None
 
 
-def run_local(cfg: TrainConfig, data_dir: Path, threads_per_worker: int = 1, **env_options: Any
+def run_local(cfg: TrainConfig, data_dir: Path, threads_per_worker: int = 1,
+              workers: int | None = None, **env_options: Any
               ) -> tuple[Metrics, dict[str, torch.Tensor]]:
-    """Train `cfg` on cfg.scaling.num_workers local processes (gloo); rank 0's summary and
-    final global parameters. With one worker everything runs in this process and
-    `env_options` go to `local_env` (checkpoints, restore_from, stop_after, reports). Each
-    worker uses `threads_per_worker` intra-op threads (float sums depend on the thread count)."""
-    world = cfg.scaling.num_workers
+    """Train `cfg` on `workers` (default cfg.scaling.num_workers) local processes (gloo); rank
+    0's summary and final global parameters. With one worker everything runs in this process
+    and `env_options` go to `local_env` (checkpoints, restore_from, stop_after, reports); with
+    several, only restore_from. Each worker uses `threads_per_worker` intra-op threads (float
+    sums depend on the thread count)."""
+    world = workers or cfg.scaling.num_workers
     if world == 1:
         threads = torch.get_num_threads()
         torch.set_num_threads(threads_per_worker)
@@ -101,8 +104,10 @@ def run_local(cfg: TrainConfig, data_dir: Path, threads_per_worker: int = 1, **e
             return trainer.run(), trainer.global_params
         finally:
             torch.set_num_threads(threads)
+    restore_from = env_options.pop("restore_from", None)
     if env_options:
         raise ValueError(f"{sorted(env_options)} are supported with one worker only")
     results = in_gloo_group(_train_rank, world, cfg.model_dump(mode="json"), str(data_dir),
+                            None if restore_from is None else str(restore_from),
                             threads=threads_per_worker)
     return results[0]

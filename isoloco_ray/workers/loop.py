@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from isoloco_ray.config import TrainConfig, config_differences
@@ -29,7 +30,7 @@ from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_scalars,
                                              all_gather_strings, all_reduce_scalars,
                                              all_reduce_sum)
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
-from isoloco_ray.workers.layout import WorkerLayout
+from isoloco_ray.workers.layout import WorkerLayout, placement_warning
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
 from isoloco_ray.workers.outer_sync import OuterStepStats, OuterSync
 from isoloco_ray.workers.replica import (Replica, inner_step, load_parameters,
@@ -419,6 +420,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
 
     Returns {"error": ..., "rounds": 0} on every rank, naming the bad files, when the run has
     checkpoints but none can be resumed from."""
+    import ray
     import ray.train
     import ray.train.torch
 
@@ -471,9 +473,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
         trainer = build(restore_from)  # restored in full before training goes on
     except checkpoint.CheckpointError as exc:
         return {"error": str(exc), "rounds": 0}
+    node_of_rank: list[Any] = [None] * context.get_world_size()
+    dist.all_gather_object(node_of_rank, ray.get_runtime_context().get_node_id())
+    placement = placement_warning(node_of_rank, cfg.scaling.workers_per_replica)
+    if placement is not None and rank == 0:
+        print(placement, file=sys.stderr, flush=True)
     summary = trainer.run()
     if rank != 0:
         return None
+    summary.update(workers=len(node_of_rank), nodes=len(set(node_of_rank)))
+    if placement is not None:
+        summary["placement_warning"] = placement
     if warning is not None:
         summary["resume_warning"] = warning
     summary["torch_threads"] = torch.get_num_threads()  # per worker (every rank sets alike)

@@ -1,0 +1,109 @@
+"""Lose a node mid-run on a multi-node Ray cluster simulated on this machine, and go on.
+
+    python benchmarks/node_loss.py DATA_DIR OUT_DIR [train options ...]
+
+A `ray.cluster_utils.Cluster`: a head node without CPUs and two nodes of one CPU each, a
+worker on each (Ray Data's read tasks reserve no CPU). An elastic run (R = 2, scaling.min_workers
+1, one replica per worker, a checkpoint every round) starts on two workers; once its second
+checkpoint is written the node of one worker is removed. Ray Train restarts from the latest
+checkpoint it registered with the one worker left, hosting both replicas. Prints one JSON line:
+the exit status, seconds from the removal to the next progress report (`recovery_seconds`), the
+rounds run again, the run's summary and the node-id placement before and after. Run by
+tests/test_multinode.py, which compares the model with an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+# A restart first waits for workers on the lost node; Ray Train's default start timeout (60 s)
+# is most of the recovery time on this small cluster. Read by Ray Train when it starts.
+os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the dashboard's default may be another cluster's)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def worker_nodes() -> dict[str, int]:
+    """Ray node id -> count of live Ray Train workers on it (Ray's state API)."""
+    from ray.util.state import list_actors
+
+    nodes: dict[str, int] = {}
+    for actor in list_actors(filters=[("class_name", "=", "RayTrainWorker"),
+                                      ("state", "=", "ALIVE")]):
+        nodes[actor.node_id] = nodes.get(actor.node_id, 0) + 1
+    return nodes
+
+
+def main() -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from isoloco_ray import train
+
+    data_dir, out_dir, *options = sys.argv[1:]
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": True, "dashboard_port": free_port()})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    cluster.wait_for_nodes()
+    os.environ["RAY_ADDRESS"] = cluster.address
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    run_dir = Path(out_dir) / "node-loss"
+    argv = [f"--data.path={data_dir}", f"--run.storage_path={out_dir}", "--run.name=node-loss",
+            "--scaling.replicas=2", "--scaling.replicas_per_worker=1",
+            "--scaling.min_workers=1", "--scaling.cpus_per_worker=1",
+            "--run.checkpoint_every=1", "--run.max_failures=2", *options]
+    status: list[int] = []
+    runner = threading.Thread(target=lambda: status.append(train.main(argv)))
+    started = time.monotonic()
+    runner.start()
+    metrics = run_dir / "metrics.jsonl"
+
+    def reports() -> list[dict]:
+        return [json.loads(line) for line in metrics.read_text().splitlines()] \
+            if metrics.exists() else []
+
+    while len(list(run_dir.glob("checkpoint_*"))) < 2 and runner.is_alive():
+        time.sleep(0.2)
+    before = worker_nodes()
+    victim = next(node for node in nodes if node.node_id in before)
+    reported = len(reports())
+    last_round = max((m["round"] for m in reports()), default=0)
+    cluster.remove_node(victim)
+    removed = time.monotonic()
+    recovery = None
+    while runner.is_alive():
+        now = reports()
+        if len(now) > reported and time.monotonic() - removed > 1:
+            recovery = time.monotonic() - removed
+            resumed_round = now[-1]["round"]
+        time.sleep(0.2)
+        if recovery is not None:
+            break
+    after = worker_nodes() if runner.is_alive() else {}
+    runner.join()
+    summary = json.loads((run_dir / "summary.json").read_text()) \
+        if (run_dir / "summary.json").exists() else None
+    print(json.dumps({
+        "status": status[0] if status else None, "seconds": time.monotonic() - started,
+        "recovery_seconds": recovery,
+        "rounds_redone": None if recovery is None else last_round - resumed_round + 1,
+        "workers_before": sum(before.values()), "nodes_before": len(before),
+        "workers_after": sum(after.values()), "removed": victim.node_id,
+        "placement_before": before, "placement_after": after, "summary": summary}))
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()
