@@ -1,15 +1,22 @@
 """Lose a node mid-run on a multi-node Ray cluster simulated on this machine, and go on.
 
-    python benchmarks/node_loss.py DATA_DIR OUT_DIR [train options ...]
+    python benchmarks/node_loss.py DATA_DIR OUT_DIR [--grow] [train options ...]
 
 A `ray.cluster_utils.Cluster`: a head node without CPUs and two nodes of one CPU each, a
 worker on each (Ray Data's read tasks reserve no CPU). An elastic run (R = 2, scaling.min_workers
 1, one replica per worker, a checkpoint every round) starts on two workers; once its second
 checkpoint is written the node of one worker is removed. Ray Train restarts from the latest
-checkpoint it registered with the one worker left, hosting both replicas. Prints one JSON line:
-the exit status, seconds from the removal to the next progress report (`recovery_seconds`), the
-rounds run again, the run's summary and the node-id placement before and after. Run by
-tests/test_multinode.py, which compares the model with an uninterrupted run's.
+checkpoint it registered with the one worker left, hosting both replicas.
+
+With --grow the other way round: the run starts on one node (one worker hosting both
+replicas), a second node joins after the second checkpoint, and at its next resize check
+(every 5 s here, 60 s by default) Ray Train restarts the run from its latest checkpoint on two
+workers.
+
+Prints one JSON line: the exit status, seconds from the change to the next progress report
+(`recovery_seconds`), the rounds run again, the run's summary and the node-id placement before
+and after. Run by tests/test_multinode.py, which compares the model with an uninterrupted
+run's.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from pathlib import Path
 # A restart first waits for workers on the lost node; Ray Train's default start timeout (60 s)
 # is most of the recovery time on this small cluster. Read by Ray Train when it starts.
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
+os.environ.setdefault("ISOLOCO_RAY_RESIZE_CHECK_SECONDS", "5")  # isoloco_ray.elastic
 
 
 def free_port() -> int:
@@ -52,9 +60,11 @@ def main() -> None:
     from isoloco_ray import train
 
     data_dir, out_dir, *options = sys.argv[1:]
+    grow = "--grow" in options
+    options = [option for option in options if option != "--grow"]
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": True, "dashboard_port": free_port()})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(1 if grow else 2)]
     cluster.wait_for_nodes()
     os.environ["RAY_ADDRESS"] = cluster.address
     ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
@@ -76,21 +86,27 @@ def main() -> None:
     while len(list(run_dir.glob("checkpoint_*"))) < 2 and runner.is_alive():
         time.sleep(0.2)
     before = worker_nodes()
-    victim = next(node for node in nodes if node.node_id in before)
     reported = len(reports())
     last_round = max((m["round"] for m in reports()), default=0)
-    cluster.remove_node(victim)
-    removed = time.monotonic()
-    recovery = None
-    while runner.is_alive():
+    if grow:
+        changed = cluster.add_node(num_cpus=1)
+    else:
+        changed = next(node for node in nodes if node.node_id in before)
+        cluster.remove_node(changed)
+    change_time = time.monotonic()
+    recovery, after = None, {}
+    while runner.is_alive() and recovery is None:
+        if grow and not after and sum(worker_nodes().values()) > 1:
+            # The grown group is up (Ray stopped the old one first): its reports come next.
+            after, reported = worker_nodes(), len(reports())
+            last_round = max((m["round"] for m in reports()), default=0)
         now = reports()
-        if len(now) > reported and time.monotonic() - removed > 1:
-            recovery = time.monotonic() - removed
+        if (after or not grow) and len(now) > reported and time.monotonic() - change_time > 1:
+            recovery = time.monotonic() - change_time
             resumed_round = now[-1]["round"]
         time.sleep(0.2)
-        if recovery is not None:
-            break
-    after = worker_nodes() if runner.is_alive() else {}
+    if not grow:
+        after = worker_nodes() if runner.is_alive() else {}
     runner.join()
     summary = json.loads((run_dir / "summary.json").read_text()) \
         if (run_dir / "summary.json").exists() else None
@@ -99,7 +115,8 @@ def main() -> None:
         "recovery_seconds": recovery,
         "rounds_redone": None if recovery is None else last_round - resumed_round + 1,
         "workers_before": sum(before.values()), "nodes_before": len(before),
-        "workers_after": sum(after.values()), "removed": victim.node_id,
+        "workers_after": sum(after.values()),
+        ("added" if grow else "removed"): changed.node_id,
         "placement_before": before, "placement_after": after, "summary": summary}))
     ray.shutdown()
     cluster.shutdown()

@@ -20,6 +20,33 @@ MATH = ["--model.preset=tiny", "--inner.steps=60", "--run.rounds=8", "--data.seq
         "--data.batch_size=4", "--run.eval_tokens=512", "--run.eval_every=4"]
 
 
+def node_change(data_dir: Path, out_dir: Path, *options: str) -> dict:
+    """benchmarks/node_loss.py's JSON line (`options` last: they override MATH); the run must
+    have succeeded."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "node_loss.py"),
+                          str(data_dir), str(out_dir), *MATH, *options],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["status"] == 0, out.stdout[-3000:]
+    return result
+
+
+def assert_same_model(result: dict, model_dir: Path, data_dir: Path, *options: str) -> None:
+    """The run's final eval loss and exported model are the uninterrupted 2-worker run's,
+    within float tolerance (the outer sum runs in another order on one worker)."""
+    cfg = load_config(MATH + ["--scaling.replicas=2", "--scaling.replicas_per_worker=1",
+                              "--scaling.cpus_per_worker=1", *options])
+    whole, whole_params = run_local(cfg, data_dir, workers=2)
+    assert result["summary"]["final_eval_loss"] == pytest.approx(whole["final_eval_loss"],
+                                                                 abs=1e-5)
+    exported = load_file(model_dir / "model.safetensors")
+    shared = set(exported) & set(whole_params)
+    assert len(shared) >= len(whole_params) - 1  # the tied head may be saved once
+    for name in shared:
+        torch.testing.assert_close(exported[name], whole_params[name], rtol=0, atol=1e-5)
+
+
 @pytest.mark.ray
 @pytest.mark.multinode
 def test_losing_a_node_shrinks_the_run_and_keeps_the_math(small_dataset, tmp_path):
@@ -27,23 +54,29 @@ def test_losing_a_node_shrinks_the_run_and_keeps_the_math(small_dataset, tmp_pat
     the second checkpoint. The run restarts from its latest checkpoint on the one worker left,
     which hosts both replicas, and ends with the uninterrupted 2-worker run's model (within
     float tolerance: the outer sum runs in another order on one worker)."""
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "node_loss.py"),
-                          str(small_dataset), str(tmp_path), *MATH],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["status"] == 0, out.stdout[-3000:]
+    result = node_change(small_dataset, tmp_path)
+    assert result["summary"]["rounds"] == 8
     assert (result["workers_before"], result["nodes_before"]) == (2, 2)
     assert result["workers_after"] == 1 and result["recovery_seconds"] is not None
     assert result["removed"] not in result["placement_after"]
-    summary = result["summary"]
-    assert summary["rounds"] == 8 and summary["workers"] == 1
-    cfg = load_config(MATH + ["--scaling.replicas=2", "--scaling.replicas_per_worker=1",
-                              "--scaling.cpus_per_worker=1"])
-    whole, whole_params = run_local(cfg, small_dataset, workers=2)
-    assert summary["final_eval_loss"] == pytest.approx(whole["final_eval_loss"], abs=1e-5)
-    exported = load_file(tmp_path / "node-loss" / "model" / "model.safetensors")
-    shared = set(exported) & set(whole_params)
-    assert len(shared) >= len(whole_params) - 1  # the tied head may be saved once
-    for name in shared:
-        torch.testing.assert_close(exported[name], whole_params[name], rtol=0, atol=1e-5)
+    assert result["summary"]["workers"] == 1
+    assert_same_model(result, tmp_path / "node-loss" / "model", small_dataset)
+
+
+@pytest.mark.ray
+@pytest.mark.multinode
+def test_a_joining_node_grows_the_run_and_keeps_the_math(small_dataset, tmp_path):
+    """One worker on one node (R = 2, min_workers 1) hosts both replicas; a second node joins
+    after the second checkpoint. At its next resize check Ray Train restarts the run from the
+    latest checkpoint on two workers, one replica each, and the model is the one a 2-worker
+    run makes throughout."""
+    # More rounds: the resize comes on a timer (a check every 5 s, then a restart), and the
+    # run must still be going when it does, on a loaded machine too.
+    longer = "--run.rounds=20"
+    result = node_change(small_dataset, tmp_path, "--grow", longer)
+    assert result["summary"]["rounds"] == 20
+    assert (result["workers_before"], result["nodes_before"]) == (1, 1)
+    assert result["workers_after"] == 2 and result["recovery_seconds"] is not None
+    assert result["added"] in result["placement_after"]
+    assert result["summary"]["workers"] == 2
+    assert_same_model(result, tmp_path / "node-loss" / "model", small_dataset, longer)
