@@ -10,6 +10,7 @@ has no `None` left where a number is needed and is what checkpoints and summarie
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +58,11 @@ def check_name(name: str, field: str) -> str:
     return name
 
 
+def path_text(value: Any) -> Any:
+    """A path setting as text (a local path or a URI, which pathlib would mangle)."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
 class _Section(BaseModel):
     # inf/nan in any float setting would train a NaN model: refused where it is read.
     model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
@@ -96,14 +102,17 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """The token data: a prepared directory (meta.json + parquet shards) and batch shapes."""
 
-    path: Path | None = Field(
-        None, description="prepared data directory (python -m isoloco_ray.data.prepare); "
-        "default: the embedded demo corpus, prepared on first use")
+    path: str | None = Field(
+        None, min_length=1, description="prepared data directory (python -m "
+        "isoloco_ray.data.prepare), a local path or a URI such as s3://bucket/prefix; default: "
+        "the embedded demo corpus, prepared on first use")
     seq_len: int = Field(128, gt=1, description="tokens per training sequence")
     batch_size: int = Field(8, gt=0, description="sequences per inner step, per replica")
     micro_batch_size: int | None = Field(
         None, gt=0, description="sequences per forward/backward; < batch_size accumulates "
         "gradients (default: batch_size)")
+
+    _path_text = field_validator("path", mode="before")(lambda value: path_text(value))
 
     @model_validator(mode="after")
     def _check_micro_batch(self) -> DataConfig:
@@ -277,7 +286,11 @@ class RunConfig(_Section):
 
     name: str | None = Field(None, description="run name (default: strategy-R-timestamp); "
                              "reusing a name resumes that run")
-    storage_path: Path = Field(Path("runs"), description="directory for runs (made absolute)")
+    storage_path: str = Field("runs", min_length=1, description="directory for runs, a local "
+                              "path (made absolute) or a URI such as s3://bucket/prefix")
+
+    _storage_text = field_validator("storage_path", mode="before")(
+        lambda value: path_text(value))
 
     @field_validator("name")
     @classmethod

@@ -9,7 +9,8 @@ token-weighted mean next-token NLL, scored in micro-batches), with a run's `data
 `data.micro_batch_size`, `run.eval_tokens` and `run.autocast` by default, so a run's valid
 split evaluated with its defaults gives its `final_eval_loss`. For a run directory the result
 is also recorded in its `summary.json`, under `evaluations`, keyed by data, split, tokens and
-seq_len (`evaluation_key`).
+seq_len (`evaluation_key`). The data may be a local directory or a URI (`--data
+s3://bucket/prefix`, a run's data.path), read in place.
 
 Weights are read from safetensors only (nothing is unpickled). Every usage problem (a missing
 or unrecognised directory, data without the split, a vocabulary the model does not cover, a bad
@@ -26,10 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from upath import UPath
+
 from isoloco_ray import strict_json
 from isoloco_ray.config import (ConfigError, DataConfig, RunConfig, TrainConfig,
                                 format_validation_error)
 from isoloco_ray.data.format import META_FILE, DataError, DatasetMeta, split_files
+from isoloco_ray.storage import local_copy, location
 
 PROG = "python -m isoloco_ray.evaluate"
 MODEL_DIR = "model"  # a run's exported model, under the run directory
@@ -57,7 +61,7 @@ class Target:
 class Evaluation:
     """One measurement: its settings and its result."""
 
-    data: Path
+    data: Path | UPath
     split: str
     tokens: int  # requested: the first `tokens` of the split (at least one sequence)
     seq_len: int
@@ -82,7 +86,7 @@ class Evaluation:
                 "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def evaluation_key(data: Path, split: str, tokens: int, seq_len: int) -> str:
+def evaluation_key(data: Path | UPath, split: str, tokens: int, seq_len: int) -> str:
     """The `evaluations` key of a measurement in summary.json: what defines its value."""
     return f"{data}|{split}|tokens={tokens}|seq_len={seq_len}"
 
@@ -141,12 +145,13 @@ def _run_config(run_dir: Path) -> TrainConfig:
                          f"{format_validation_error(exc)}") from None
 
 
-def default_data_dir(target: Target) -> Path:
-    """The data a run trained on: summary.json's data_dir, else config.json's data.path."""
+def default_data_dir(target: Target) -> str:
+    """The data a run trained on: summary.json's data_dir, else config.json's data.path (a
+    local path or a URI)."""
     if target.summary is not None and target.summary.get("data_dir"):
-        return Path(target.summary["data_dir"])
+        return str(target.summary["data_dir"])
     if target.config is not None and target.config.data.path is not None:
-        return target.config.data.path
+        return str(target.config.data.path)
     what = ("a model directory names no data" if target.run_dir is None
             else f"{target.run_dir} records no data directory")
     raise UsageError(f"--data: {what}; pass --data DIR (a prepared dataset)")
@@ -157,7 +162,7 @@ def _positive(flag: str, value: int | None) -> None:
         raise UsageError(f"{flag} must be a positive number, got {value}")
 
 
-def check_data(data: Path, split: str, seq_len: int | None) -> DatasetMeta:
+def check_data(data: Path | UPath, split: str, seq_len: int | None) -> DatasetMeta:
     """The dataset's meta.json, after checking it holds `split` with sequences of `seq_len`
     (None: not chosen yet); UsageError naming the flag otherwise."""
     if not (data / META_FILE).is_file():
@@ -174,7 +179,7 @@ def check_data(data: Path, split: str, seq_len: int | None) -> DatasetMeta:
     return meta
 
 
-def check_vocabulary(model_vocab: int, meta: DatasetMeta, data: Path) -> None:
+def check_vocabulary(model_vocab: int, meta: DatasetMeta, data: Path | UPath) -> None:
     """The model's embedding must cover the data's vocabulary."""
     if meta.vocab_size > model_vocab:
         raise UsageError(f"--data: the vocabulary of {data} ({meta.vocab_size} tokens, "
@@ -208,7 +213,7 @@ def load_model(model_dir: Path, config: Any, device: Any) -> Any:
     return model.to(device)
 
 
-def run_evaluation(target: Target, data: Path, split: str, tokens: int | None,
+def run_evaluation(target: Target, data: Path | UPath, split: str, tokens: int | None,
                    seq_len: int | None, batch_size: int | None, device_name: str,
                    autocast: str | None) -> Evaluation:
     """Load the model and evaluate it on the first `tokens` of `split` (defaults: the run's
@@ -229,7 +234,10 @@ def run_evaluation(target: Target, data: Path, split: str, tokens: int | None,
     meta = check_data(data, split, seq_len)
     if device_name.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {device_name}: CUDA is not available here; use --device cpu")
-    config = model_config(target.model_dir)
+    # transformers reads local directories only: a stored model is copied once per version.
+    model_dir = (target.model_dir if isinstance(target.model_dir, Path)
+                 else local_copy(target.model_dir, kind="models"))
+    config = model_config(model_dir)
     check_vocabulary(config.vocab_size, meta, data)
     context = getattr(config, "max_position_embeddings", None)
     if seq_len is None:  # a model directory: the data's blocks, within the model's context
@@ -244,7 +252,7 @@ def run_evaluation(target: Target, data: Path, split: str, tokens: int | None,
                          f"the model's vocabulary ({config.vocab_size}); evaluate on data "
                          "prepared with the model's tokenizer")
     device = torch.device(device_name)
-    model = load_model(target.model_dir, config, device)
+    model = load_model(model_dir, config, device)
     runtime = Runtime.create(model, device, autocast, compile=False)
     started = time.perf_counter()
     loss = evaluate(runtime, sequences, rank=0, world=1, batch_size=batch_size)
@@ -275,11 +283,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Loss and perplexity of a trained model on a prepared dataset, measured "
                     "as training measures its validation loss. For a run directory the result "
                     "is also added to its summary.json (evaluations).")
-    p.add_argument("target", type=Path, metavar="RUN_OR_MODEL_DIR",
-                   help="a run directory (runs/NAME) or a Hugging Face model directory with "
-                        "safetensors weights (e.g. runs/NAME/model)")
-    p.add_argument("--data", type=Path, default=None, metavar="DIR",
-                   help="a prepared dataset (default: the run's data; needed for a model "
+    p.add_argument("target", metavar="RUN_OR_MODEL_DIR",
+                   help="a run directory (runs/NAME, or a URI such as s3://bucket/runs/NAME) "
+                        "or a Hugging Face model directory with safetensors weights (e.g. "
+                        "runs/NAME/model)")
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="a prepared dataset, a local directory or a URI such as "
+                        "s3://bucket/prefix (default: the run's data; needed for a model "
                         "directory)")
     p.add_argument("--split", choices=("valid", "test"), default="valid",
                    help="the split to evaluate (default: %(default)s)")
@@ -312,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{args.seq_len}")
         if args.device != "cpu" and not args.device.startswith("cuda"):
             raise UsageError(f"--device {args.device}: use cpu or cuda (cuda:N)")
-        target = find_target(args.target.expanduser())
-        data = (args.data or default_data_dir(target)).expanduser().resolve()
+        target = find_target(location(args.target, "RUN_OR_MODEL_DIR"))
+        data = location(args.data or default_data_dir(target), "--data")
         if args.data is None and not (data / META_FILE).is_file():
             raise UsageError(f"--data: the run's data {data} is no longer a prepared dataset "
                              f"(no {META_FILE}); pass --data DIR")

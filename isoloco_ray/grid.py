@@ -26,6 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 from isoloco_ray.config import (NAME_MAX_LEN, ConfigError, TrainConfig, build_config,
                                 check_name, field_paths, flatten, format_validation_error,
                                 merge_nested, nest, read_yaml_config)
+from isoloco_ray.storage import location, run_directory
 
 SummaryMetric = Literal["final_eval_loss", "final_eval_perplexity", "tokens_per_s", "seconds",
                         "train_seconds", "outer_bytes_per_round"]
@@ -409,7 +410,7 @@ class Trial:
     @property
     def run_dir(self) -> Path:
         """Where the trial's training run writes (config, metrics, summary, model)."""
-        return self.config.run.storage_path / self.config.run.name
+        return run_directory(self.config.run.storage_path, self.config.run.name)
 
 
 def build_trials(grid_file: GridFile, cli_overrides: dict[str, Any], grid_dir: Path,
@@ -462,7 +463,7 @@ def _build_config(base: dict[str, Any], overrides: dict[str, Any], index: int,
 def _placed(cfg: TrainConfig, name: str, runs_dir: Path) -> TrainConfig:
     """`cfg` whose run is `runs_dir/name`."""
     return cfg.model_copy(update={"run": cfg.run.model_copy(
-        update={"name": name, "storage_path": runs_dir})})
+        update={"name": name, "storage_path": str(runs_dir)})})
 
 
 @dataclass
@@ -582,8 +583,7 @@ def grid_directory(grid_file: GridFile, cli_overrides: dict[str, Any], name: str
 
     `warnings`: as in expand_env_paths (a dry run)."""
     base = expand_env_paths(merge_nested(grid_file.base, cli_overrides), warnings)
-    storage = Path(base.get("run", {}).get("storage_path") or "runs")
-    return storage.expanduser().resolve() / name
+    return location(base.get("run", {}).get("storage_path") or "runs") / name
 
 
 def validate_against_data(trials: list[Trial], warnings: list[str] | None = None) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from isoloco_ray import strict_json
 from isoloco_ray.config import check_name, flatten
+from isoloco_ray.storage import location
 
 GRID_FILE = "grid.json"  # written by isoloco_ray.tune: name, metric, mode, trials
 RUNS_DIR = "runs"  # a grid's run directories
@@ -208,7 +209,7 @@ def varied_fields(configs: list[dict[str, Any]]) -> list[str]:
 
 def load_report(directory: Path) -> Report:
     """The runs in `directory`: a grid, a single run, or a directory of runs."""
-    directory = directory.expanduser().resolve()
+    directory = location(directory)
     if not directory.exists():
         raise ReportError(f"{directory} does not exist; give a grid directory, a run directory "
                           "or a directory of runs")
@@ -369,7 +370,9 @@ def plot_eval_loss(report: Report, path: Path) -> bool:
     if runs:
         full.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    image = io.BytesIO()  # through bytes: `path` may be on object storage
+    fig.savefig(image, format="png", dpi=90)
+    path.write_bytes(image.getvalue())
     plt.close(fig)
     return True
 
@@ -406,7 +409,7 @@ class Written:
 def write_report(directory: Path, report: Report | None = None) -> tuple[Report, Written]:
     """Write results.md, results.csv, eval_loss.png and best_config.yaml into `directory`."""
     report = report or load_report(directory)
-    directory = directory.expanduser().resolve()
+    directory = location(directory)
     written = Written(directory / "results.md", directory / "results.csv", None, None)
     written.markdown.write_text(markdown_report(report))
     written.csv.write_text(csv_table(report))
@@ -440,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m isoloco_ray.report",
         description="Results table (Markdown, CSV), eval-loss plot and best config of a grid "
                     "directory, a run directory, or a directory of runs.")
-    parser.add_argument("directory", type=Path)
+    parser.add_argument("directory", type=location)
     parser.add_argument("--metric", choices=SUMMARY_METRICS,
                         help="rank by this summary figure (default: the grid's, else "
                              "final_eval_loss)")

@@ -34,8 +34,12 @@ def dumps(value: Any, **kwargs: Any) -> str:
 def write(path: Path, value: Any, *, indent: int | None = None) -> None:
     """Write `value` to `path` as strict JSON (and a final newline), atomically: through a
     temporary file beside it and a rename, so a reader never sees half a file (a torn
-    summary.json would look like a finished run)."""
+    summary.json would look like a finished run). On object storage (a remote UPath) one
+    upload is already all or nothing."""
     text = dumps(value, indent=indent) + "\n"
+    if not isinstance(path, Path):
+        path.write_text(text)
+        return
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     try:
         tmp.write_text(text)

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from isoloco_ray.config import (ConfigError, ScalingConfig, TrainConfig, config_
 from isoloco_ray.data.checks import epochs, validated_data_dir
 from isoloco_ray.data.format import DataError, DatasetMeta
 from isoloco_ray.elastic import allowed_counts_only, ray_scaling_config
+from isoloco_ray.storage import check_writable
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
 
 # Ray's defaults print dozens of lines per run on a laptop; these keep the console to our
@@ -42,19 +42,6 @@ QUIET_RAY_ENV = {
 # busy cores trained 3-4x slower than one with a single thread (R=8 demo, 1 worker: 1,152 vs
 # 3,390 tok/s; PASSIVE: 4,671). Threads that sleep while they wait cost nothing of that.
 LOCAL_WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-def check_writable(storage: Path, field: str = "run.storage_path") -> None:
-    """Create `storage` if needed and check a file can be written there, so an unwritable
-    path is a configuration error before Ray starts rather than a failure after it."""
-    try:
-        storage.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=storage, prefix=".write-check-"):
-            pass
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ConfigError(f"{field}: cannot write to {storage} ({reason}); choose a writable "
-                          "directory") from None
 
 
 def run_name(cfg: TrainConfig) -> str:
@@ -190,23 +177,26 @@ def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Eve
     console and metrics.jsonl go on."""
     from ray.util.queue import Empty
 
-    with log_path.open("a") as log:
-        while not (stop.is_set() and queue.empty()):
+    while not (stop.is_set() and queue.empty()):
+        try:
+            metrics = queue.get(timeout=0.5)
+        except Empty:
+            continue
+        print(format_progress(metrics, rounds), flush=True)
+        try:  # opened per round: object storage has no appending to an open file
+            with log_path.open("a") as log:
+                log.write(strict_json.dumps(metrics) + "\n")
+        except Exception as exc:  # noqa: BLE001 - an unreachable store must not stop the run
+            print(f"warning: cannot record round {metrics.get('round')} in {log_path} "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+        if on_metrics is not None:
             try:
-                metrics = queue.get(timeout=0.5)
-            except Empty:
-                continue
-            log.write(strict_json.dumps(metrics) + "\n")
-            log.flush()
-            print(format_progress(metrics, rounds), flush=True)
-            if on_metrics is not None:
-                try:
-                    on_metrics(metrics)
-                except Exception as exc:  # noqa: BLE001 - a logger must not stop the record
-                    print(f"warning: logging round {metrics.get('round')} failed "
-                          f"({type(exc).__name__}: {exc}); no further rounds are sent there, "
-                          f"{log_path} keeps every round", file=sys.stderr, flush=True)
-                    on_metrics = None
+                on_metrics(metrics)
+            except Exception as exc:  # noqa: BLE001 - a logger must not stop the record
+                print(f"warning: logging round {metrics.get('round')} failed "
+                      f"({type(exc).__name__}: {exc}); no further rounds are sent there, "
+                      f"{log_path} keeps every round", file=sys.stderr, flush=True)
+                on_metrics = None
 
 
 def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any = None,
@@ -300,10 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     name = run_name(cfg)
-    storage = cfg.run.storage_path.expanduser().resolve()
-    run_dir = storage / name
     try:
-        check_writable(storage)
+        run_dir = check_writable(cfg.run.storage_path) / name
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

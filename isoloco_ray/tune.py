@@ -54,7 +54,7 @@ from isoloco_ray.grid import (GridFile, SchedulerSpec, Search, Trial, build_tria
                               load_grid_file, make_search, validate_against_data)
 from isoloco_ray.report import (ERROR_FILE, GRID_FILE, RUNS_DIR, STOPPED_FILE, RunRecord,
                                 finite, last_error_line, load_run, print_report, write_report)
-from isoloco_ray.train import check_writable
+from isoloco_ray.storage import check_writable, location, run_directory
 
 PROG = "python -m isoloco_ray.tune"
 TUNE_DIR = "tune"  # Tune's experiment inside the grid directory (a resume's: tune-resume-<n>)
@@ -203,8 +203,8 @@ def run_trial(params: dict[str, Any]) -> dict[str, Any]:
 
     trial = params["trial"]
     cfg = TrainConfig.model_validate(trial["config"])
-    data_dir = Path(trial["data_dir"])
-    run_dir = cfg.run.storage_path / cfg.run.name
+    data_dir = location(trial["data_dir"], "data.path")
+    run_dir = run_directory(cfg.run.storage_path, cfg.run.name)
     if (run_dir / SUMMARY_FILE).is_file():
         return strict_json.finite_or_none(json.loads((run_dir / SUMMARY_FILE).read_text()))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -213,6 +213,7 @@ def run_trial(params: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         final = fit(cfg, data_dir, run_dir, callbacks=[TuneReportCallback()])
+        wait_for_tune_to_take_reports()
         if "error" in final:  # the loop gave up (e.g. every replica diverged)
             raise RuntimeError(f"the run stopped after round {final['rounds']}: "
                                f"{final['error']}")
@@ -225,6 +226,36 @@ def run_trial(params: dict[str, Any]) -> dict[str, Any]:
     return strict_json.finite_or_none(summary)
 
 
+def wait_for_tune_to_take_reports(settle_seconds: float = 0.5, limit_seconds: float = 60) -> None:
+    """Return once the trial's Tune session has taken every report Ray Train sent it.
+
+    TuneReportCallback hands each round's report from Train's controller to this trial's
+    actor through a one-slot queue, which the actor's main thread moves into the session's
+    one-slot result queue. A trial function that returns while the last report is still in
+    the first queue makes Tune put its "function returned" marker in the result queue first,
+    and the main thread then blocks for ever putting the report behind it (Ray 2.60: a grid
+    hung once in a few dozen trials on a loaded machine). Both queues must stay empty for
+    `settle_seconds` (the main thread takes an item from one and puts it in the other at
+    once); after `limit_seconds` the function returns regardless."""
+    from ray.train._internal.session import get_session
+
+    session = get_session()
+    reports = getattr(session, "_inter_actor_queue", None)
+    results = getattr(session, "result_queue", None)
+    if reports is None or results is None:
+        return
+    deadline = time.monotonic() + limit_seconds
+    empty_since = None
+    while time.monotonic() < deadline:
+        if reports.empty() and results.empty():
+            empty_since = empty_since or time.monotonic()
+            if time.monotonic() - empty_since >= settle_seconds:
+                return
+        else:
+            empty_since = None
+        time.sleep(0.05)
+
+
 def trial_name(trial: Any) -> str:
     """Tune's name and directory of a trial: the grid's stable trial name."""
     return trial.config["trial"]["name"]
@@ -233,7 +264,7 @@ def trial_name(trial: Any) -> str:
 def trial_run_dir(trial: Any) -> Path:
     """The run directory of a Tune trial (its config's run.storage_path / run.name)."""
     run = trial.config["trial"]["config"]["run"]
-    return Path(run["storage_path"]) / run["name"]
+    return run_directory(run["storage_path"], run["name"])
 
 
 def describe_scheduler(spec: SchedulerSpec) -> str:

@@ -81,7 +81,9 @@ class RunLogger:
         name = cfg.run.name or run_dir.name
         self.run = wandb.init(
             **wandb_init_kwargs(cfg.run.wandb), group=cfg.run.wandb.group, name=name,
-            id=wandb_run_id(name), resume="allow", dir=str(run_dir),
+            id=wandb_run_id(name), resume="allow",
+            # W&B keeps its files locally: in the run directory, or its default for a URI.
+            dir=str(run_dir) if isinstance(run_dir, Path) else None,
             config=cfg.model_dump(mode="json"))
 
     def log(self, metrics: dict[str, Any]) -> None:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
 
 import pytest
 
@@ -13,6 +18,23 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION", "0")
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# S3 for the tests is the `s3_server` fixture's, on loopback, never a real one. Set before any
+# Ray process starts, so the session cluster's workers (pyarrow, s3fs) read it too.
+S3_PORT = _free_loopback_port()
+os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{S3_PORT}",
+                   "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                   "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"})
+for _variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE",
+                  "AWS_SHARED_CREDENTIALS_FILE"):
+    os.environ.pop(_variable, None)
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +64,57 @@ def ray_cluster():
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-compatible server (moto's server mode) on loopback for the session; the AWS_*
+    variables above point every S3 client at it. Yields its endpoint URL."""
+    import urllib.request
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                               str(S3_PORT)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError(f"moto's S3 server did not start on {endpoint}") from None
+            time.sleep(0.2)
+    yield endpoint
+    server.terminate()
+    server.wait(timeout=30)
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A new, empty bucket on the loopback S3 server; its name."""
+    import boto3
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def s3_data(small_dataset, s3_bucket) -> str:
+    """A copy of `small_dataset` at s3://BUCKET/data, without a scan stamp; its URI."""
+    uri = f"s3://{s3_bucket}/data"
+    import pyarrow.fs
+
+    from isoloco_ray.data.format import STAMP_FILE
+    from isoloco_ray.storage import arrow_location, location
+
+    filesystem, where = arrow_location(uri)
+    pyarrow.fs.copy_files(str(small_dataset), where, source_filesystem=pyarrow.fs.LocalFileSystem(),
+                          destination_filesystem=filesystem)
+    (location(uri) / STAMP_FILE).unlink(missing_ok=True)  # other tests may have scanned the copy
+    return uri
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DatasetMeta, read_blocks, shard_name, write_blocks
-from isoloco_ray.workers import checkpoint
+from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.local import StopAfterRound, run_local
 from isoloco_ray.workers.outer_sync import OuterSync
 from isoloco_ray.workers.replica import Replica
@@ -302,26 +302,34 @@ def test_pickled_code_in_a_replica_file_is_refused_without_running(small_dataset
     assert marker.exists()
 
 
+def ray_checkpoints(*directories: Path) -> list:
+    import ray.train
+
+    return [ray.train.Checkpoint.from_directory(directory) for directory in directories]
+
+
 def test_resume_falls_back_to_the_newest_intact_checkpoint(checkpoints):
     newest, older = checkpoints / "round_000002", checkpoints / "round_000001"
     truncate(newest / "global.safetensors")
-    chosen, skipped = checkpoint.newest_intact([newest, older])
-    assert chosen == older
-    assert skipped == [(newest, checkpoint.checkpoint_problems(newest))]
-    warning = checkpoint.fallback_warning(chosen, skipped)
-    assert warning.startswith(f"warning: checkpoint {newest} is damaged: "
-                              f"{newest / 'global.safetensors'}: not a complete safetensors")
-    assert warning.endswith(f"resuming from the older checkpoint {older} (round 1) instead; "
-                            "the rounds after it are trained again")
+    with resume.open_resume_point(ray_checkpoints(newest, older)) as start:
+        assert start.directory == older and start.error is None
+        assert start.warning.startswith(
+            f"warning: checkpoint {newest} is damaged: {newest / 'global.safetensors'}: not a "
+            "complete safetensors")
+        assert start.warning.endswith(f"resuming from the older checkpoint {older} (round 1) "
+                                      "instead; the rounds after it are trained again")
 
     (older / "state.json").write_text("junk")
-    chosen, skipped = checkpoint.newest_intact([newest, older])
-    assert chosen is None and [d for d, _ in skipped] == [newest, older]
-    message = checkpoint.no_intact_message(skipped)
+    with resume.open_resume_point(ray_checkpoints(newest, older)) as start:
+        assert start.directory is None and start.warning is None
+        message = start.error
     assert message.startswith(f"no intact checkpoint to resume from: checkpoint {newest} is "
                               f"damaged: {newest / 'global.safetensors'}: not a complete")
     assert f"checkpoint {older} is damaged: {older / 'state.json'}: not valid JSON" in message
     assert f"delete {checkpoints} (Ray Train refuses" in message
+
+    with resume.open_resume_point([]) as start:  # a run without checkpoints starts afresh
+        assert (start.directory, start.warning, start.error) == (None, None, None)
 
 
 def test_run_checkpoints_are_ray_trains_newest_first(tmp_path):
@@ -330,7 +338,9 @@ def test_run_checkpoints_are_ray_trains_newest_first(tmp_path):
     for name in names + ["checkpoint_2025-01-02_10-00-01.000000"]:  # the last: unregistered
         (tmp_path / name).mkdir()
     (tmp_path / "checkpoint_manager_snapshot.json").write_text("{}")
-    assert checkpoint.run_checkpoints(tmp_path / names[0]) == [tmp_path / n for n in names]
+    (tmp_path / "checkpoint_2024-12-31_00-00-00.000000.json").write_text("{}")  # not a dir
+    found = resume.run_checkpoints(*ray_checkpoints(tmp_path / names[0]))
+    assert [Path(saved.path) for saved in found] == [tmp_path / n for n in names]
 
 
 @pytest.mark.ray

@@ -149,7 +149,7 @@ def test_every_key_maps_and_env_references_are_kept(tmp_path, capsys, monkeypatc
     assert by_strategy["isocts"].config.outer.momentum == 0.9  # optional momentum: kept
     assert "note: parameters.outer_momentum does not apply to adamw_ddp, diloco_sgd, isoc, " \
            "tsv" in err
-    assert all(t.config.data.path == tmp_path / "data" / "fineweb" for t in trials)
+    assert all(t.config.data.path == str(tmp_path / "data" / "fineweb") for t in trials)
 
 
 def test_mergeloco_is_dare_only_when_random_rescaled_and_not_disjoint(tmp_path, capsys,

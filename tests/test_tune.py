@@ -91,7 +91,7 @@ def test_shipped_grids_expand_to_valid_trials(tmp_path, monkeypatch):
             if name != "demo_strategies":
                 assert cfg.scaling.use_gpu and cfg.data.seq_len == 2048
                 assert cfg.model.vocab_size == 32000 and cfg.inner.steps == 30
-                assert cfg.data.path == tmp_path / "llama2_2048"
+                assert cfg.data.path == str(tmp_path / "llama2_2048")
     assert strategies["demo_strategies"] == ["adamw_ddp", "diloco", "diloco_sgd", "isoc",
                                              "isoloco", "isocts", "tsv", "ties", "dare"]
     assert strategies["paper_178m_main"] == ["adamw_ddp", "diloco", "diloco_sgd", "isoc",

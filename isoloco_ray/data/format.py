@@ -14,6 +14,14 @@ directory with a valid ``meta.json`` is complete; ``verify`` also checks every s
 
 Every source (the demo corpus, later others) writes this same format; readers (the Ray Data
 stream, the config's checks) need only this module.
+
+Sources write it to a local directory. Readers also take a prepared dataset at a filesystem URI
+(``s3://bucket/prefix``, copied there as it is), read in place: meta.json and the tokenizer's
+files through fsspec (``storage.location``; the tokenizer copied once per node into a local
+cache, ``storage.local_copy``, as ``transformers`` loads only local directories), parquet shards
+through pyarrow's filesystems (``storage.arrow_location``), as Ray Data reads them. A dataset
+directory is then a ``Path`` for a local one, a ``UPath`` (pathlib's interface, its str the
+URI) for a URI (``dataset_dir``); shard paths are the same kind.
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from upath import UPath
 
 from isoloco_ray import strict_json
+from isoloco_ray.storage import arrow_location, is_uri, local_copy, location
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -44,6 +54,19 @@ TOKEN_TYPE = pa.list_(pa.int32())
 SCHEMA = pa.schema([pa.field(TOKEN_COLUMN, TOKEN_TYPE, nullable=False)])
 
 Split = Literal["train", "valid", "test"]
+# A dataset directory or shard as callers give it: a local path, a URI, or a UPath.
+DataPath = str | os.PathLike[str] | UPath
+# ... and as a path object (dataset_dir): a local Path, or a UPath whose str is the URI.
+DataDir = Path | UPath
+
+
+def dataset_dir(data_dir: DataPath) -> DataDir:
+    """`data_dir` as a path object: a local path as given (a ``Path``), a URI as a ``UPath``
+    (``storage.location``; ConfigError naming data.path for an unknown or missing filesystem)."""
+    if isinstance(data_dir, UPath) and not isinstance(data_dir, Path):
+        return data_dir
+    text = os.fspath(data_dir)
+    return location(text, "data.path") if is_uri(text) else Path(text)
 
 
 class DataError(ValueError):
@@ -128,17 +151,18 @@ class DatasetMeta(_Strict):
         return self
 
     @classmethod
-    def load(cls, data_dir: str | os.PathLike[str]) -> DatasetMeta:
-        """Read and validate ``DIR/meta.json``; raise DataError naming the problem if it is
-        missing or invalid (a missing meta.json means the directory was never fully prepared)."""
-        path = Path(data_dir) / META_FILE
+    def load(cls, data_dir: DataPath) -> DatasetMeta:
+        """Read and validate ``DIR/meta.json`` (local or at a URI); raise DataError naming the
+        problem if it is missing or invalid (a missing meta.json means the directory was never
+        fully prepared)."""
+        path = dataset_dir(data_dir) / META_FILE
         try:
             raw = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise DataError(
                 f"{path} not found: {data_dir} is not a prepared dataset (or its preparation did "
                 "not finish); run `python -m isoloco_ray.data.prepare`") from None
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - OSError locally; botocore/aiohttp errors remotely
             raise DataError(f"cannot read {path}: {e}") from e
         try:
             return cls.model_validate_json(raw)
@@ -157,17 +181,28 @@ class DatasetMeta(_Strict):
         _check_split_name(name)
         return self.splits[name]  # type: ignore[index]
 
-    def tokenizer_location(self, data_dir: str | os.PathLike[str]) -> str:
+    def tokenizer_location(self, data_dir: DataPath) -> str:
         """What to pass to ``AutoTokenizer.from_pretrained``: the tokenizer directory inside
-        the dataset when it exists, else ``meta.tokenizer`` as a Hugging Face name."""
-        local = Path(data_dir) / self.tokenizer
-        return str(local) if local.is_dir() else self.tokenizer
+        the dataset when it exists (for a dataset at a URI, its local copy: made once per node
+        and per meta.json, ``storage.local_copy``), else ``meta.tokenizer`` as a Hugging Face
+        name."""
+        tokenizer = dataset_dir(data_dir) / self.tokenizer
+        if not tokenizer.is_dir():
+            return self.tokenizer
+        if isinstance(tokenizer, Path):
+            return str(tokenizer)
+        # Keyed by meta.json's contents too: a dataset prepared again at the same URI (a new
+        # meta.json) gets a new copy, never the old tokenizer.
+        version = hashlib.sha256(self.model_dump_json().encode()).hexdigest()
+        return str(local_copy(tokenizer, version, kind="tokenizers"))
 
 
-def split_files(data_dir: str | os.PathLike[str], split: str) -> list[Path]:
-    """The shard paths of ``split``, in order, as recorded in meta.json."""
+def split_files(data_dir: DataPath, split: str) -> list[DataDir]:
+    """The shard paths of ``split``, in order, as recorded in meta.json (``UPath``s for a
+    dataset at a URI)."""
     meta = DatasetMeta.load(data_dir)
-    return [Path(data_dir) / s.file for s in meta.split(split).shards]
+    root = dataset_dir(data_dir)
+    return [root / s.file for s in meta.split(split).shards]
 
 
 def share_of_rows(rows: Sequence[int], replica: int,
@@ -192,7 +227,7 @@ def share_of_rows(rows: Sequence[int], replica: int,
     return share
 
 
-def load_tokenizer(data_dir: str | os.PathLike[str]) -> Any:
+def load_tokenizer(data_dir: DataPath) -> Any:
     """The dataset's tokenizer, loaded with ``transformers.AutoTokenizer``."""
     # Imported here: transformers takes seconds to import and most readers never need it.
     from transformers import AutoTokenizer
@@ -201,13 +236,26 @@ def load_tokenizer(data_dir: str | os.PathLike[str]) -> Any:
     return AutoTokenizer.from_pretrained(meta.tokenizer_location(data_dir))
 
 
-def read_blocks(path: str | os.PathLike[str]) -> np.ndarray:
-    """Read one shard into an int32 array of shape (rows, block_len).
+def open_shard(path: DataPath) -> pq.ParquetFile:
+    """One shard, local or at a URI, opened with pyarrow's filesystem for it (use it as a
+    context manager to close the file)."""
+    filesystem, where = arrow_location(path)
+    return pq.ParquetFile(where, filesystem=filesystem)
+
+
+def read_tokens(path: DataPath) -> pa.Table:
+    """The ``tokens`` column of one shard, local or at a URI."""
+    with open_shard(path) as shard:
+        return shard.read(columns=[TOKEN_COLUMN])
+
+
+def read_blocks(path: DataPath) -> np.ndarray:
+    """Read one shard (local or at a URI) into an int32 array of shape (rows, block_len).
 
     Raises DataError when the file lacks the ``tokens`` column or its rows differ in length.
     """
     try:
-        table = pq.read_table(path, columns=[TOKEN_COLUMN])
+        table = read_tokens(path)
     except (OSError, pa.ArrowInvalid, KeyError) as e:
         raise DataError(f"cannot read shard {path}: {e}") from e
     column = table.column(TOKEN_COLUMN).combine_chunks()
@@ -252,12 +300,12 @@ def shard_name(index: int) -> str:
     return f"part-{index:05d}.parquet"
 
 
-def verify(data_dir: str | os.PathLike[str], checksums: bool = True) -> DatasetMeta:
+def verify(data_dir: DataPath, checksums: bool = True) -> DatasetMeta:
     """Check a prepared dataset: meta.json valid, every shard present with the recorded row count
     and schema, and (``checksums=True``) the recorded sha256 (``checksums=False`` reads only the
     parquet footers: cheap enough to run on every use). Returns the meta; raises DataError
     listing every problem found."""
-    data_dir = Path(data_dir)
+    data_dir = dataset_dir(data_dir)
     meta = DatasetMeta.load(data_dir)
     problems: list[str] = []
     for name in SPLITS:
@@ -271,7 +319,8 @@ def verify(data_dir: str | os.PathLike[str], checksums: bool = True) -> DatasetM
     return meta
 
 
-def shard_problems(path: Path, shard: ShardInfo, block_len: int, checksums: bool) -> list[str]:
+def shard_problems(path: DataDir, shard: ShardInfo, block_len: int,
+                   checksums: bool) -> list[str]:
     """What is wrong with one shard, as messages naming ``shard.file`` (empty when it is fine).
 
     Always from the parquet footer (cheap): present, readable, the recorded row count, the
@@ -286,7 +335,8 @@ def shard_problems(path: Path, shard: ShardInfo, block_len: int, checksums: bool
             return [f"{shard.file}: sha256 {actual} != recorded {shard.sha256}"]
     try:
         # The footer gives rows, schema and value counts without reading the data.
-        md = pq.read_metadata(path)
+        with open_shard(path) as parquet:
+            md = parquet.metadata
         schema = md.schema.to_arrow_schema()
     except (OSError, pa.ArrowInvalid) as e:
         return [f"{shard.file}: not a readable parquet file ({e})"]
@@ -336,10 +386,12 @@ _SHARD_NAME = re.compile(r"^part-\d{5,}\.parquet$")
 _STAMP_NAME = re.compile(rf"^{re.escape(STAMP_FILE)}(\.\d+\.tmp)?$")
 
 
-def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file's bytes."""
+def sha256_file(path: DataPath, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes (local or at a URI: read with pyarrow's filesystems)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    filesystem, where = arrow_location(path)
+    # compression=None: the file's own bytes (pyarrow would inflate a .gz name's otherwise).
+    with filesystem.open_input_stream(where, compression=None) as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()

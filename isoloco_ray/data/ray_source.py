@@ -6,7 +6,9 @@ reader actors), which a worker opening its replica's stream on a cluster whose C
 training workers would wait for forever, and which cost seconds per open. The ranges here
 carry their row counts (meta.json's), so nothing needs planning: one read task streams the
 ranges' rows, shard after shard, in blocks of `rows_per_block` rows with each row's shard
-file (the `path` column), and reads nothing outside them.
+file (the `path` column), and reads nothing outside them. Shards at a URI (s3://...) are
+opened through pyarrow's filesystems inside the task (format.open_shard), on the node that
+reads them, with its credentials.
 
 Imported by workers only (it imports Ray).
 """
@@ -17,11 +19,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from isoloco_ray.data.format import TOKEN_COLUMN
+from isoloco_ray.data.format import read_tokens
 from isoloco_ray.data.stream import PATH_COLUMN, ShardRange
 
 
@@ -53,8 +54,7 @@ def read_ranges(ranges: Sequence[ShardRange], rows_per_block: int) -> Iterator[p
     for part in ranges:
         if part.rows == 0:
             continue
-        shard = pq.ParquetFile(part.path)
-        table = shard.read(columns=[TOKEN_COLUMN]).slice(part.start, part.rows)
+        table = read_tokens(part.path).slice(part.start, part.rows)
         for first in range(0, table.num_rows, rows_per_block):
             rows = table.slice(first, rows_per_block)
             yield rows.append_column(PATH_COLUMN, pa.array([str(part.path)] * rows.num_rows))

@@ -13,6 +13,8 @@ shard and row, at the same cost anywhere in the data.
 Readers yield `ShardBlocks`: the rows and the shard file of each row (Ray Data's `path` column),
 so that a token id outside the model's vocabulary, checked as every batch is read, is reported
 with its file instead of failing as an index error inside the embedding.
+A dataset at a URI (s3://...) is read in place, shards through pyarrow's filesystems
+(format.open_shard): a `ShardRange`'s path is then a `UPath`, whose str is the shard's URI.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from isoloco_ray.data.format import DataError, DatasetMeta, read_blocks, share_of_rows
+from isoloco_ray.data.format import (DataDir, DataError, DataPath, DatasetMeta, dataset_dir,
+                                     read_blocks, share_of_rows)
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,13 @@ ROWS_PER_BLOCK = 256  # rows in each table the read task yields
 class ShardRange:
     """Rows [start, stop) of one train shard of `shard_rows` rows."""
 
-    path: Path
+    path: DataDir  # a local shard, or one at a URI (str(path) is the URI)
     start: int
     stop: int
     shard_rows: int
 
     @classmethod
-    def whole_shard(cls, path: Path, rows: int) -> ShardRange:
+    def whole_shard(cls, path: DataDir, rows: int) -> ShardRange:
         """All `rows` rows of the shard at `path`."""
         return cls(path, 0, rows, rows)
 
@@ -102,12 +104,14 @@ class ReplicaShare:
         return []
 
 
-def replica_share(data_dir: Path, replica: int, replicas: int) -> ReplicaShare:
-    """The train rows replica `replica` of `replicas` reads (`share_of_rows`), in order."""
+def replica_share(data_dir: DataPath, replica: int, replicas: int) -> ReplicaShare:
+    """The train rows replica `replica` of `replicas` reads (`share_of_rows`), in order, of
+    the dataset at `data_dir` (a local path or a URI)."""
     meta = DatasetMeta.load(data_dir)
     shards = meta.split("train").shards
+    root = dataset_dir(data_dir)
     return ReplicaShare(
-        tuple(ShardRange(Path(data_dir) / shards[index].file, start,
+        tuple(ShardRange(root / shards[index].file, start,
                          shards[index].rows if stop is None else stop, shards[index].rows)
               for index, start, stop in share_of_rows([s.rows for s in shards], replica,
                                                       replicas)),
@@ -115,7 +119,7 @@ def replica_share(data_dir: Path, replica: int, replicas: int) -> ReplicaShare:
 
 
 def read_with_pyarrow(ranges: Sequence[ShardRange]) -> Iterator[ShardBlocks]:
-    """The rows of `ranges` of local parquet shards, read with pyarrow (no Ray)."""
+    """The rows of `ranges` (local shards or at a URI), read with pyarrow (no Ray)."""
     for part in ranges:
         yield ShardBlocks(read_blocks(part.path)[part.start:part.stop], str(part.path))
 

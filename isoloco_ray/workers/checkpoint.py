@@ -19,7 +19,7 @@ resumed run is therefore the same run on every rank, whatever its layout.
 
 Before a resume every worker checks the whole checkpoint, every file (`checkpoint_problems`),
 so all of them reach the same verdict from the same shared files; a damaged newest checkpoint
-gives way to the newest intact one (`newest_intact`), and with none intact the run stops with
+gives way to the newest intact one (workers/resume.py), and with none intact the run stops with
 a message naming the bad files rather than starting over (which would discard the run).
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import posixpath
 import re
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -198,7 +199,7 @@ def _load_torch_state(directory: Path, name: str) -> dict[str, Any]:
 
 # -- checking a checkpoint before resuming from it ------------------------------------------------
 
-Damaged = tuple[Path, list[str]]  # a checkpoint directory and what is wrong with it
+Damaged = tuple[str, list[str]]  # a checkpoint (as messages name it) and what is wrong with it
 
 
 def checkpoint_problems(directory: Path) -> list[str]:
@@ -246,47 +247,22 @@ def checkpoint_problems(directory: Path) -> list[str]:
     return problems
 
 
-def newest_intact(candidates: Sequence[Path]) -> tuple[Path | None, list[Damaged]]:
-    """The first intact checkpoint of `candidates` (newest first, e.g. `run_checkpoints`) and
-    the damaged ones before it, with their `checkpoint_problems`; (None, all of them) when none
-    is intact."""
-    skipped: list[Damaged] = []
-    for directory in candidates:
-        problems = checkpoint_problems(directory)
-        if not problems:
-            return directory, skipped
-        skipped.append((directory, problems))
-    return None, skipped
-
-
-def run_checkpoints(latest: Path) -> list[Path]:
-    """The checkpoints a resume may use, newest first: `latest` (the one Ray Train's
-    get_checkpoint gives) and the older Ray Train checkpoints beside it in the run directory.
-
-    Ray Train's order is the order of its directory names (timestamps); it is used rather than
-    the rounds in state.json, which a damaged checkpoint may not tell. Directories newer than
-    `latest` were never registered by Ray Train (e.g. a copy cut short by a crash) and are left
-    out."""
-    older = [path for path in latest.parent.glob(RAY_CHECKPOINT_GLOB)
-             if path.is_dir() and path.name < latest.name]
-    return [latest, *sorted(older, key=lambda path: path.name, reverse=True)]
-
-
-def damage_report(directory: Path, problems: Sequence[str]) -> str:
+def damage_report(directory: str | Path, problems: Sequence[str]) -> str:
     """One line for a damaged checkpoint: its directory and every problem found."""
     return f"checkpoint {directory} is damaged: {'; '.join(problems)}"
 
 
-def fallback_warning(chosen: Path, skipped: Sequence[Damaged]) -> str:
-    """The warning of a resume that skips damaged newer checkpoints for `chosen`."""
+def fallback_warning(chosen: str, round_saved: int, skipped: Sequence[Damaged]) -> str:
+    """The warning of a resume that skips damaged newer checkpoints for `chosen` (saved after
+    round `round_saved`)."""
     damaged = " | ".join(damage_report(directory, problems) for directory, problems in skipped)
     return (f"warning: {damaged} | resuming from the older checkpoint {chosen} (round "
-            f"{saved_round(chosen)}) instead; the rounds after it are trained again")
+            f"{round_saved}) instead; the rounds after it are trained again")
 
 
 def no_intact_message(skipped: Sequence[Damaged]) -> str:
     """Why a run cannot resume when none of its checkpoints is intact, and what to do."""
-    run_dir = skipped[0][0].parent
+    run_dir = posixpath.dirname(skipped[0][0])
     damaged = " | ".join(damage_report(directory, problems) for directory, problems in skipped)
     return (f"no intact checkpoint to resume from: {damaged} | Starting over would discard the "
             "run, so it stops here. If the storage is at fault (unmounted, full, files still "

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from isoloco_ray import storage
 from isoloco_ray.config import TrainConfig, config_differences
 from isoloco_ray.data.format import DataError, DatasetMeta, load_tokenizer, split_files
 from isoloco_ray.data.stream import ReplicaStream, RowReader, replica_share
-from isoloco_ray.workers import checkpoint
+from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_scalars,
                                              all_gather_strings, all_reduce_scalars,
                                              all_reduce_sum)
@@ -390,9 +391,14 @@ def steady_tokens_per_s(rounds: int, tokens_per_round: int, train_seconds: float
 
 
 def export_model(model: nn.Module, data_dir: Path, out_dir: Path) -> None:
-    """Save the model (safetensors) and the data's tokenizer for `from_pretrained`."""
-    model.save_pretrained(out_dir, safe_serialization=True)
-    load_tokenizer(data_dir).save_pretrained(out_dir)
+    """Save the model (safetensors) and the data's tokenizer for `from_pretrained` in
+    `out_dir` (local, or on object storage through a local copy)."""
+    with tempfile.TemporaryDirectory() as staging:
+        local = out_dir if isinstance(out_dir, Path) else Path(staging)
+        model.save_pretrained(local, safe_serialization=True)
+        load_tokenizer(data_dir).save_pretrained(local)
+        if local != out_dir:
+            storage.upload_directory(local, out_dir)
 
 
 def kill_once_hook(spec: str | None) -> Callable[[int, int], None] | None:
@@ -430,7 +436,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     # Ray gives OMP_NUM_THREADS the worker's whole CPUs, but torch may have read it before, or
     # capped it: set what the run reserved (scaling.cpus_per_worker) explicitly.
     torch.set_num_threads(cfg.scaling.torch_threads)
-    data_dir, run_dir = Path(loop_config["data_dir"]), Path(loop_config["run_dir"])
+    data_dir = storage.location(loop_config["data_dir"], "data.path")
+    run_dir = storage.location(loop_config["run_dir"])
     progress = loop_config.get("progress")
     context = ray.train.get_context()
     rank = context.get_world_rank()
@@ -454,25 +461,22 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
         )
         return Trainer(cfg, data_dir, env)
 
-    # Ray Train's latest checkpoint, or the newest intact one before it if that is damaged.
-    # Every rank checks every file of the same shared checkpoints, so all choose alike (and
-    # return alike, before any collective). A damaged checkpoint is returned as the run's
-    # error, not raised: Ray Train would restart the workers run.max_failures times for
-    # nothing. run.storage_path is a local or mounted path, so Ray's path is a local one.
-    latest, restore_from, warning = ray.train.get_checkpoint(), None, None
-    if latest is not None:
-        restore_from, skipped = checkpoint.newest_intact(
-            checkpoint.run_checkpoints(Path(latest.path)))
-        if restore_from is None:
-            return {"error": checkpoint.no_intact_message(skipped), "rounds": 0}
-        if skipped:
-            warning = checkpoint.fallback_warning(restore_from, skipped)
-            if rank == 0:
-                print(warning, file=sys.stderr, flush=True)
-    try:
-        trainer = build(restore_from)  # restored in full before training goes on
-    except checkpoint.CheckpointError as exc:
-        return {"error": str(exc), "rounds": 0}
+    # Ray Train's latest checkpoint, or the newest intact one before it if that is damaged
+    # (resume.py). A damaged checkpoint is returned as the run's error, not raised: Ray Train
+    # would restart the workers run.max_failures times for nothing. Every rank reaches the
+    # same verdict, so all return alike, before any collective.
+    latest = ray.train.get_checkpoint()
+    candidates = [] if latest is None else resume.run_checkpoints(latest)
+    with resume.open_resume_point(candidates) as start:
+        if start.error is not None:
+            return {"error": start.error, "rounds": 0}
+        if start.warning is not None and rank == 0:
+            print(start.warning, file=sys.stderr, flush=True)
+        try:
+            trainer = build(start.directory)  # restored in full before training goes on
+        except checkpoint.CheckpointError as exc:  # naming the stored files, not the copies
+            return {"error": str(exc).replace(str(start.directory), start.name), "rounds": 0}
+    warning = start.warning
     node_of_rank: list[Any] = [None] * context.get_world_size()
     dist.all_gather_object(node_of_rank, ray.get_runtime_context().get_node_id())
     placement = placement_warning(node_of_rank, cfg.scaling.workers_per_replica)

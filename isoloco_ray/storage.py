@@ -1,0 +1,146 @@
+"""Where runs and prepared data live: a local directory or a filesystem URI (s3://, gs://, ...).
+
+`location` turns a config value into a path object with pathlib's interface: a local path is
+a plain `pathlib.Path` (universal_pathlib's local flavour subclasses it), a URI goes through
+fsspec (s3fs for s3://, gcsfs for gs://, adlfs for abfs://). Bulk reads (parquet shards) and
+Ray Train's checkpoints go through pyarrow's filesystems instead (`arrow_location`), as Ray
+does. Both take credentials and the endpoint from the environment of every node
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL for an
+S3-compatible server), so one set of variables configures them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from upath import UPath
+
+from isoloco_ray.config import ConfigError
+
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+# fsspec protocol -> the package that implements it, for the error when it is missing.
+_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs",
+             "az": "adlfs"}
+
+
+def is_uri(spec: str | os.PathLike[str]) -> bool:
+    """Whether `spec` names a filesystem URI (scheme://...) rather than a local path."""
+    return bool(_URI.match(os.fspath(spec)))
+
+
+def location(spec: str | os.PathLike[str], field: str = "run.storage_path") -> UPath:
+    """The path `spec` names: a URI as it is, a local path with ~ expanded, made absolute.
+    Raises ConfigError naming `field` for a URI whose filesystem is not installed or known."""
+    if isinstance(spec, UPath) and not isinstance(spec, Path):
+        return spec
+    text = os.fspath(spec)
+    if not is_uri(text):
+        return UPath(Path(text).expanduser().resolve())
+    if text.startswith("file://"):
+        return UPath(Path(text[len("file://"):]).expanduser().resolve())
+    protocol = text.split("://", 1)[0].lower()
+    try:
+        return UPath(text)
+    except (ImportError, ValueError) as exc:
+        package = _PACKAGES.get(protocol)
+        fix = (f"pip install {package}" if package else
+               "use s3://, gs://, abfs:// or a local path")
+        raise ConfigError(f"{field}: cannot open {text} ({exc}); {fix}") from None
+
+
+def is_remote(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` lives on a remote filesystem (not a local directory)."""
+    return not isinstance(location(path), Path)
+
+
+def arrow_location(path: str | os.PathLike[str]) -> tuple[Any, str]:
+    """(pyarrow filesystem, path on it) of `path`, for pyarrow and Ray's readers."""
+    import pyarrow.fs
+
+    path = location(path)
+    if isinstance(path, Path):
+        return pyarrow.fs.LocalFileSystem(), str(path)
+    return pyarrow.fs.FileSystem.from_uri(str(path))
+
+
+def local_copy(directory: UPath, version: str | None = None, kind: str = "files") -> Path:
+    """A local copy of the remote `directory`'s files (a tokenizer, a model), for readers
+    that take only local paths. Made once per node under the temporary directory, in
+    ``isoloco_ray-{kind}/<sha256 of the URI and version>`` (`version`: whatever changes when
+    the files do; by default every file's name, size and ETag or modification time), and
+    shared by the node's processes: copied into a temporary sibling and renamed into place,
+    so concurrent copiers never see each other's part copies."""
+    if version is None:
+        listing = directory.fs.find(directory.path.rstrip("/"), detail=True)
+        version = repr(sorted((name, info.get("size"),
+                               str(info.get("ETag") or info.get("LastModified")))
+                              for name, info in listing.items()))
+    key = hashlib.sha256(f"{directory}\n{version}".encode()).hexdigest()
+    target = Path(tempfile.gettempdir()) / f"isoloco_ray-{kind}" / key
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}-", dir=target.parent))
+    try:
+        _copy_tree(directory, tmp)
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+        # Another process renamed its copy into place first: use that one.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _copy_tree(source: UPath, dest: Path) -> None:
+    """Copy the files under `source` into the existing local directory `dest`."""
+    root = source.path.rstrip("/")
+    # find() lists files at any depth; iterdir() would also list an S3 "directory marker" (an
+    # empty object named like the directory, as many tools make them) as a child of itself.
+    for name in source.fs.find(root):
+        relative = name[len(root) + 1:]
+        if not relative or relative.endswith("/"):
+            continue  # a directory marker
+        target = dest / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(source.fs.cat_file(name))
+
+
+def check_writable(storage: str | os.PathLike[str], field: str = "run.storage_path") -> UPath:
+    """Create `storage` if needed and check a file can be written there (and removed), so an
+    unwritable or unreachable place fails before any Ray process starts. Returns its path."""
+    path = location(storage, field)
+    probe = path / f".write-check-{uuid.uuid4().hex}"
+    try:
+        if isinstance(path, Path):  # object stores have no directories (and s3fs's mkdir
+            path.mkdir(parents=True, exist_ok=True)  # would create a missing bucket)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except Exception as exc:  # noqa: BLE001 - OSError locally; botocore/aiohttp errors remotely
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise ConfigError(f"{field}: cannot write to {path} ({reason}); choose a writable "
+                          "directory (or a bucket these credentials may write)") from None
+    return path
+
+
+def run_directory(storage_path: str | os.PathLike[str], name: str) -> UPath:
+    """A run's directory: `name` under `run.storage_path`."""
+    return location(storage_path) / name
+
+
+def upload_directory(local: Path, destination: str | os.PathLike[str]) -> None:
+    """Copy the files of local directory `local` into `destination` (any filesystem)."""
+    import pyarrow.fs
+
+    filesystem, path = arrow_location(destination)
+    filesystem.create_dir(path, recursive=True)
+    pyarrow.fs.copy_files(str(local), path, source_filesystem=pyarrow.fs.LocalFileSystem(),
+                          destination_filesystem=filesystem)
