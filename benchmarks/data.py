@@ -1,7 +1,14 @@
-"""Data path throughput and memory: prepare (tokens/s, by --workers) and the replica stream
-(tokens/s into one worker), with the peak RSS of each for synthetic corpora of growing size.
+"""Data path throughput and memory: prepare (tokens/s, by --workers) against the tokenizer's
+own ceiling, and the replica stream (tokens/s into one worker), with the peak RSS of each for
+synthetic corpora of growing size.
 
     python benchmarks/data.py --tokens 10e6 100e6 --workers 1 2
+
+One BPE tokenizer (4,096 tokens) is trained first on the corpus text and used by every row,
+so the rows compare the same text and tokenizer. The ceiling is the tokenizer's own
+`encode_batch_fast` on that text in batches of prepare's size, on 1 thread and on every core
+(RAYON_NUM_THREADS), with nothing else: no text generation, no packing, no writing. prepare's
+rows are end to end (documents made on the fly, tokenized, packed, shards written).
 
 Each measurement runs in a fresh subprocess so its peak RSS (its own plus its tokenizing
 processes') is its own. Training consumption to compare against: the demo model on 2 CPU cores
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -27,15 +35,44 @@ def _peak_rss_mb() -> float:
     return max(own, children) / 1024
 
 
-def child_prepare(tokens: int, workers: int, out: str) -> dict:
+def child_tokenizer(out: str) -> dict:
+    from isoloco_ray.data import prepare
+    from isoloco_ray.testing import streamed_documents
+
+    start = time.perf_counter()
+    tokenizer = prepare.train_bpe_tokenizer(streamed_documents(1_000_000), 4096)
+    prepare.save_tokenizer(tokenizer, Path(out))
+    return {"seconds": time.perf_counter() - start}
+
+
+def child_ceiling(tokens: int, tokenizer_dir: str) -> dict:
+    import itertools
+
+    from transformers import AutoTokenizer
+
+    from isoloco_ray.data import prepare
+    from isoloco_ray.testing import streamed_documents
+
+    encoder = prepare._encoder(AutoTokenizer.from_pretrained(tokenizer_dir))
+    documents = list(streamed_documents(tokens))
+    batches = [documents[i:i + prepare.CORPUS_BATCH]
+               for i in range(0, len(documents), prepare.CORPUS_BATCH)]
+    start = time.perf_counter()
+    total = sum(len(encoding.ids) + 1 for encoding in itertools.chain.from_iterable(
+        encoder.encode_batch_fast(batch, add_special_tokens=False) for batch in batches))
+    seconds = time.perf_counter() - start
+    return {"tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,
+            "peak_rss_mb": _peak_rss_mb()}
+
+
+def child_prepare(tokens: int, workers: int, out: str, tokenizer_dir: str) -> dict:
     from isoloco_ray.data import prepare
     from isoloco_ray.data.sources import TextSource
     from isoloco_ray.testing import streamed_documents
 
     source = TextSource(f"synthetic {tokens}", lambda: streamed_documents(tokens))
-    settings = prepare.CorpusSettings(source=source.name, tokenizer="train-bpe:4096",
-                                      block_len=2048, shard_blocks=(1 << 22) // 2048,
-                                      bpe_chars=5_000_000)
+    settings = prepare.CorpusSettings(source=source.name, tokenizer=tokenizer_dir,
+                                      block_len=2048, shard_blocks=(1 << 22) // 2048)
     start = time.perf_counter()
     meta = prepare.prepare_corpus(source, out, settings, workers=workers)
     seconds = time.perf_counter() - start
@@ -59,36 +96,56 @@ def child_stream(data_dir: str) -> dict:
             "peak_rss_mb": _peak_rss_mb()}
 
 
-def run_child(*args: str) -> dict:
+def run_child(*args: str, threads: int | None = None) -> dict:
+    env = dict(os.environ)
+    if threads is not None:  # the tokenizers crate's thread pool
+        env["RAYON_NUM_THREADS"] = str(threads)
     out = subprocess.run([sys.executable, __file__, "--child", *args], check=True,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=float, nargs="+", default=[10e6])
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--workers", type=int, nargs="+", default=sorted({1, 2, os.cpu_count() or 1}))
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         kind, *rest = args.child
-        result = (child_prepare(int(rest[0]), int(rest[1]), rest[2]) if kind == "prepare"
-                  else child_stream(rest[0]))
-        print(json.dumps(result))
+        children = {"tokenizer": lambda: child_tokenizer(rest[0]),
+                    "ceiling": lambda: child_ceiling(int(rest[0]), rest[1]),
+                    "prepare": lambda: child_prepare(int(rest[0]), int(rest[1]), rest[2],
+                                                     rest[3]),
+                    "stream": lambda: child_stream(rest[0])}
+        print(json.dumps(children[kind]()))
         return
-    print("| what | corpus tokens | workers | tokens/s | seconds | peak RSS MB |")
-    print("|---|---|---|---|---|---|")
+    cores = os.cpu_count() or 1
+    print("| what | corpus tokens | workers | tokens/s | x ceiling | seconds | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_dir = str(Path(tmp) / "tokenizer")
+        run_child("tokenizer", tokenizer_dir)
         for tokens in args.tokens:
+            ceilings = {}
+            for threads in sorted({min(workers, cores) for workers in args.workers}):
+                r = run_child("ceiling", str(int(tokens)), tokenizer_dir, threads=threads)
+                ceilings[threads] = r["tokens_per_s"]
+                print(f"| ceiling: encode_batch, {threads} thread{'s' * (threads > 1)} | "
+                      f"{tokens:.0e} | - | {r['tokens_per_s']:,.0f} | 1.00 | "
+                      f"{r['seconds']:.1f} | {r['peak_rss_mb']:.0f} |", flush=True)
             for workers in args.workers:
                 out = str(Path(tmp) / f"ds-{int(tokens)}-{workers}")
-                r = run_child("prepare", str(int(tokens)), str(workers), out)
+                # One tokenizer thread per worker process: W workers use W cores.
+                r = run_child("prepare", str(int(tokens)), str(workers), out, tokenizer_dir,
+                              threads=1)
+                ceiling = ceilings[min(workers, cores)]
                 print(f"| prepare | {tokens:.0e} | {workers} | {r['tokens_per_s']:,.0f} | "
-                      f"{r['seconds']:.1f} | {r['peak_rss_mb']:.0f} |", flush=True)
+                      f"{r['tokens_per_s'] / ceiling:.2f} | {r['seconds']:.1f} | "
+                      f"{r['peak_rss_mb']:.0f} |", flush=True)
             r = run_child("stream", out)
             print(f"| stream (pyarrow, 1 replica) | {tokens:.0e} | - | {r['tokens_per_s']:,.0f} "
-                  f"| {r['seconds']:.1f} | {r['peak_rss_mb']:.0f} |", flush=True)
+                  f"| - | {r['seconds']:.1f} | {r['peak_rss_mb']:.0f} |", flush=True)
     for name, rate in TRAINING_TOKENS_PER_S.items():
         print(f"training consumes: {name}: {rate:,.0f} tokens/s")
 
