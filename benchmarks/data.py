@@ -36,12 +36,12 @@ def _peak_rss_mb() -> float:
 
 
 def child_tokenizer(out: str) -> dict:
-    from isoloco_ray.data import prepare
+    from isoloco_ray.data import encoding
     from isoloco_ray.testing import streamed_documents
 
     start = time.perf_counter()
-    tokenizer = prepare.train_bpe_tokenizer(streamed_documents(1_000_000), 4096)
-    prepare.save_tokenizer(tokenizer, Path(out))
+    tokenizer = encoding.train_bpe_tokenizer(streamed_documents(1_000_000), 4096)
+    encoding.save_tokenizer(tokenizer, Path(out))
     return {"seconds": time.perf_counter() - start}
 
 
@@ -50,15 +50,15 @@ def child_ceiling(tokens: int, tokenizer_dir: str) -> dict:
 
     from transformers import AutoTokenizer
 
-    from isoloco_ray.data import prepare
+    from isoloco_ray.data import corpus, encoding
     from isoloco_ray.testing import streamed_documents
 
-    encoder = prepare._encoder(AutoTokenizer.from_pretrained(tokenizer_dir))
+    encoder = encoding.encoder(AutoTokenizer.from_pretrained(tokenizer_dir))
     documents = list(streamed_documents(tokens))
-    batches = [documents[i:i + prepare.CORPUS_BATCH]
-               for i in range(0, len(documents), prepare.CORPUS_BATCH)]
+    batches = [documents[i:i + corpus.CORPUS_BATCH]
+               for i in range(0, len(documents), corpus.CORPUS_BATCH)]
     start = time.perf_counter()
-    total = sum(len(encoding.ids) + 1 for encoding in itertools.chain.from_iterable(
+    total = sum(len(encoded.ids) + 1 for encoded in itertools.chain.from_iterable(
         encoder.encode_batch_fast(batch, add_special_tokens=False) for batch in batches))
     seconds = time.perf_counter() - start
     return {"tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,
@@ -66,15 +66,15 @@ def child_ceiling(tokens: int, tokenizer_dir: str) -> dict:
 
 
 def child_prepare(tokens: int, workers: int, out: str, tokenizer_dir: str) -> dict:
-    from isoloco_ray.data import prepare
+    from isoloco_ray.data import corpus
     from isoloco_ray.data.sources import TextSource
     from isoloco_ray.testing import streamed_documents
 
     source = TextSource(f"synthetic {tokens}", lambda: streamed_documents(tokens))
-    settings = prepare.CorpusSettings(source=source.name, tokenizer=tokenizer_dir,
+    settings = corpus.CorpusSettings(source=source.name, tokenizer=tokenizer_dir,
                                       block_len=2048, shard_blocks=(1 << 22) // 2048)
     start = time.perf_counter()
-    meta = prepare.prepare_corpus(source, out, settings, workers=workers)
+    meta = corpus.prepare_corpus(source, out, settings, workers=workers)
     seconds = time.perf_counter() - start
     total = sum(meta.split(s).tokens for s in ("train", "valid", "test"))
     return {"tokens": total, "seconds": seconds, "tokens_per_s": total / seconds,

@@ -40,7 +40,7 @@ for _variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE",
 @pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory):
     """A prepared dataset (format.py): BPE vocab 384, blocks of 64 tokens, 16 blocks a shard."""
-    from isoloco_ray.data.prepare import prepare_dataset
+    from isoloco_ray.data.documents import prepare_dataset
 
     out = tmp_path_factory.mktemp("data") / "small"
     prepare_dataset(synthetic_documents(600), out, vocab_size=384, block_len=64,

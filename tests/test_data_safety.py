@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from isoloco_ray.data import checks, demo, prepare
+from isoloco_ray.data import checks, demo, documents, prepare
 from isoloco_ray.data.format import (
     DataError, DatasetMeta, read_blocks, split_files, verify, write_blocks,
 )
@@ -122,7 +122,7 @@ def test_overwrite_refuses_a_dataset_holding_a_user_file(small_dataset: Path,
     before = snapshot(out)
     with pytest.raises(DataError, match=r"is not a prepared dataset \(it holds files a dataset "
                                         r"never has: NOTES.md, train/extra.csv\)"):
-        prepare.prepare_dataset(synthetic_documents(100), out, overwrite=True, vocab_size=300,
+        documents.prepare_dataset(synthetic_documents(100), out, overwrite=True, vocab_size=300,
                                 block_len=32, shard_blocks=8)
     assert snapshot(out) == before
     assert names(tmp_path) == ["ds"]
@@ -131,7 +131,7 @@ def test_overwrite_refuses_a_dataset_holding_a_user_file(small_dataset: Path,
 def test_overwrite_replaces_a_real_dataset(data: Path, tmp_path: Path) -> None:
     checks.scanned_max_token_id(data, DatasetMeta.load(data))
     assert (data / checks.STAMP_FILE).is_file()  # the scan stamp is one of our files
-    meta = prepare.prepare_dataset(synthetic_documents(100, seed=8), data, overwrite=True,
+    meta = documents.prepare_dataset(synthetic_documents(100, seed=8), data, overwrite=True,
                                    vocab_size=300, block_len=32, shard_blocks=8)
     assert verify(data) == meta and meta.block_len == 32
     assert not (data / checks.STAMP_FILE).exists()
@@ -147,7 +147,7 @@ def test_demo_cache_that_is_not_a_dataset_is_refused_before_downloading(
     (folder / "results.bin").write_bytes(b"\x00\x01")
     before = snapshot(folder)
     with pytest.raises(DataError, match=r"demo is not a prepared dataset \(its meta.json"):
-        prepare.ensure_demo_data()
+        documents.ensure_demo_data()
     assert snapshot(folder) == before
     assert names(tmp_path) == ["demo"]  # nothing downloaded, no lock left
 

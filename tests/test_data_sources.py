@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from isoloco_ray.data import prepare, sources
+from isoloco_ray.data import corpus as corpus_pipeline
+from isoloco_ray.data import npy_import, packing, prepare, sources
 from isoloco_ray.data.checks import check_layout
 from isoloco_ray.data.format import SPLITS, DataError, DatasetMeta, read_blocks, split_files, verify
 from isoloco_ray.data.stream import replica_share
@@ -39,8 +40,8 @@ def write_sources(root: Path) -> Path:
     return root
 
 
-def settings(source: sources.TextSource, **kw) -> prepare.CorpusSettings:  # type: ignore[no-untyped-def]
-    return prepare.CorpusSettings(source=source.name, **{**SETTINGS, **kw})
+def settings(source: sources.TextSource, **kw) -> corpus_pipeline.CorpusSettings:  # type: ignore[no-untyped-def]
+    return corpus_pipeline.CorpusSettings(source=source.name, **{**SETTINGS, **kw})
 
 
 def test_local_sources_yield_every_document_in_order(tmp_path: Path) -> None:
@@ -84,9 +85,9 @@ def test_hf_source_without_datasets_is_a_clear_error(monkeypatch: pytest.MonkeyP
 
 
 def test_document_split_is_deterministic_and_sized() -> None:
-    labels = [prepare.document_split(7, i, 0.1, 0.05) for i in range(4000)]
-    assert labels == [prepare.document_split(7, i, 0.1, 0.05) for i in range(4000)]
-    assert labels != [prepare.document_split(8, i, 0.1, 0.05) for i in range(4000)]
+    labels = [corpus_pipeline.document_split(7, i, 0.1, 0.05) for i in range(4000)]
+    assert labels == [corpus_pipeline.document_split(7, i, 0.1, 0.05) for i in range(4000)]
+    assert labels != [corpus_pipeline.document_split(8, i, 0.1, 0.05) for i in range(4000)]
     assert 320 < labels.count("valid") < 480 and 130 < labels.count("test") < 270
 
 
@@ -95,7 +96,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = write_sources(tmp_path_factory.mktemp("src") / "in")
     out = tmp_path_factory.mktemp("prepared") / "ds"
     src = sources.open_source(str(root))
-    prepare.prepare_corpus(src, out, settings(src))
+    corpus_pipeline.prepare_corpus(src, out, settings(src))
     return root, out
 
 
@@ -110,7 +111,7 @@ def test_corpus_split_and_packing(corpus: tuple[Path, Path]) -> None:
     assert meta.bos_id == eos  # our BPE: no BOS inserted
     by_split: dict[str, list[str]] = {s: [] for s in SPLITS}
     for i, d in enumerate(DOCS):
-        by_split[prepare.document_split(1, i, 0.1, 0.1)].append(d)
+        by_split[corpus_pipeline.document_split(1, i, 0.1, 0.1)].append(d)
     for name in SPLITS:
         stream = np.array([t for d in by_split[name]
                            for t in tok.encode(d, add_special_tokens=False).ids + [eos]])
@@ -142,7 +143,7 @@ def test_interrupted_prepare_resumes_to_identical_output(
     root, reference = corpus
     src = sources.open_source(str(root))
     out = tmp_path / "ds"
-    real = prepare.write_blocks
+    real = packing.write_blocks
     calls = {"n": 0}
 
     def flaky(path, blocks):  # type: ignore[no-untyped-def]
@@ -151,17 +152,17 @@ def test_interrupted_prepare_resumes_to_identical_output(
             raise KeyboardInterrupt  # killed mid-run
         return real(path, blocks)
 
-    monkeypatch.setattr(prepare, "write_blocks", flaky)
-    monkeypatch.setattr(prepare, "CORPUS_BATCH", 16)  # checkpoints between batches
+    monkeypatch.setattr(packing, "write_blocks", flaky)
+    monkeypatch.setattr(corpus_pipeline, "CORPUS_BATCH", 16)  # checkpoints between batches
     with pytest.raises(KeyboardInterrupt):
-        prepare.prepare_corpus(src, out, settings(src))
+        corpus_pipeline.prepare_corpus(src, out, settings(src))
     partial = tmp_path / ".ds.partial"
     assert not out.exists() and (partial / "progress.json").is_file()
     assert not list(partial.rglob(".*.tmp"))  # no half-written shard
     done = json.loads((partial / "progress.json").read_text())["next_document"]
     assert 0 < done < len(DOCS)
-    monkeypatch.setattr(prepare, "write_blocks", real)
-    meta = prepare.prepare_corpus(src, out, settings(src), workers=2)  # the pool path too
+    monkeypatch.setattr(packing, "write_blocks", real)
+    meta = corpus_pipeline.prepare_corpus(src, out, settings(src), workers=2)  # the pool path too
     assert meta == DatasetMeta.load(reference)  # same shards, same checksums
     assert not partial.exists()
 
@@ -169,7 +170,7 @@ def test_interrupted_prepare_resumes_to_identical_output(
 def test_token_targets(corpus: tuple[Path, Path], tmp_path: Path) -> None:
     root, _ = corpus
     src = sources.open_source(str(root))
-    meta = prepare.prepare_corpus(src, tmp_path / "t", settings(src, total_tokens=1000,
+    meta = corpus_pipeline.prepare_corpus(src, tmp_path / "t", settings(src, total_tokens=1000,
                                                                 valid_tokens=100))
     train, valid = meta.split("train"), meta.split("valid")
     assert 1000 - 32 <= train.tokens + train.dropped_tokens < 1000 + 400
@@ -212,7 +213,7 @@ def test_from_npy_keeps_the_file_split(tmp_path: Path, small_dataset: Path) -> N
     assert meta.split("test").blocks == 0
     np.save(npy / "test_000000.npy", np.array([meta0.vocab_size], dtype=np.uint16))
     with pytest.raises(DataError, match=r"test_000000.npy: token id \d+ at index 0 is outside"):
-        prepare.prepare_from_npy(npy, tmp_path / "bad", tokenizer=tok, block_len=64)
+        npy_import.prepare_from_npy(npy, tmp_path / "bad", tokenizer=tok, block_len=64)
 
 
 def test_from_npy_gives_one_shard_per_worker_file_by_default(tmp_path: Path,
@@ -232,10 +233,10 @@ def test_from_npy_gives_one_shard_per_worker_file_by_default(tmp_path: Path,
 
 
 def test_npy_shard_plan() -> None:
-    plan = prepare.npy_shard_plan([5, 0, 12, 3], shard_blocks=4)
+    plan = npy_import.npy_shard_plan([5, 0, 12, 3], shard_blocks=4)
     assert [(p.file, p.first, p.blocks) for p in plan] == [
         (0, 0, 3), (2, 0, 4), (3, 0, 3), (0, 3, 2), (2, 4, 4), (2, 8, 4)]
-    assert prepare.npy_shard_plan([0, 0], shard_blocks=4) == []
+    assert npy_import.npy_shard_plan([0, 0], shard_blocks=4) == []
 
 
 def test_from_npy_refuses_files_without_a_whole_block(tmp_path: Path, small_dataset: Path,

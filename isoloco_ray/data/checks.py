@@ -221,7 +221,7 @@ def resolve_data_dir(cfg: TrainConfig) -> DataDir:
     """The prepared data directory: `data.path` (a local path, made absolute, or a URI), or the
     demo corpus (prepared on first use)."""
     if cfg.data.path is None:
-        from isoloco_ray.data.prepare import ensure_demo_data
+        from isoloco_ray.data.documents import ensure_demo_data
 
         return ensure_demo_data()
     path = location(cfg.data.path, "data.path")
