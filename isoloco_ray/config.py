@@ -112,7 +112,7 @@ class DataConfig(_Section):
         None, gt=0, description="sequences per forward/backward; < batch_size accumulates "
         "gradients (default: batch_size)")
 
-    _path_text = field_validator("path", mode="before")(lambda value: path_text(value))
+    _path_text = field_validator("path", mode="before")(path_text)
 
     @model_validator(mode="after")
     def _check_micro_batch(self) -> DataConfig:
@@ -289,8 +289,7 @@ class RunConfig(_Section):
     storage_path: str = Field("runs", min_length=1, description="directory for runs, a local "
                               "path (made absolute) or a URI such as s3://bucket/prefix")
 
-    _storage_text = field_validator("storage_path", mode="before")(
-        lambda value: path_text(value))
+    _storage_text = field_validator("storage_path", mode="before")(path_text)
 
     @field_validator("name")
     @classmethod

@@ -55,11 +55,6 @@ def location(spec: str | os.PathLike[str], field: str = "run.storage_path") -> U
         raise ConfigError(f"{field}: cannot open {text} ({exc}); {fix}") from None
 
 
-def is_remote(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` lives on a remote filesystem (not a local directory)."""
-    return not isinstance(location(path), Path)
-
-
 def arrow_location(path: str | os.PathLike[str]) -> tuple[Any, str]:
     """(pyarrow filesystem, path on it) of `path`, for pyarrow and Ray's readers."""
     import pyarrow.fs
@@ -111,7 +106,7 @@ def _copy_tree(source: UPath, dest: Path) -> None:
             continue  # a directory marker
         target = dest / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(source.fs.cat_file(name))
+        source.fs.get_file(name, str(target))  # streamed: a model's weights are gigabytes
 
 
 def check_writable(storage: str | os.PathLike[str], field: str = "run.storage_path") -> UPath:

@@ -24,7 +24,7 @@ def test_location_keeps_uris_and_makes_local_paths_absolute(tmp_path, monkeypatc
     assert storage.location("file://" + str(tmp_path / "x")) == tmp_path / "x"
     remote = storage.location("s3://bucket/prefix/runs")
     assert str(remote / "name") == "s3://bucket/prefix/runs/name"
-    assert storage.is_remote(remote) and not storage.is_remote("runs")
+    assert not isinstance(remote, Path) and isinstance(storage.location("runs"), Path)
     with pytest.raises(ConfigError, match=r"^run.storage_path: cannot open nosuch://x/y \("):
         storage.location("nosuch://x/y")
 
