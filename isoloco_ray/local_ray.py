@@ -43,6 +43,12 @@ _HOOK = f"{__name__}.loopback_worker_setup"
 _RENDEZVOUS = "torch.distributed.rendezvous"
 
 
+def joined_cluster() -> bool:
+    """Whether this process joins a cluster named by RAY_ADDRESS (e.g. under `ray job submit`)
+    rather than starting a local one."""
+    return bool(os.environ.get("RAY_ADDRESS"))
+
+
 def start_local_cluster(num_cpus: int, **kwargs: Any) -> None:
     """`ray.init` a new single-node cluster on 127.0.0.1 only, with QUIET_INIT's settings;
     kwargs go to `ray.init` and override those. Raises RuntimeError (after shutting Ray down

@@ -22,6 +22,7 @@ from isoloco_ray.config import (ConfigError, ScalingConfig, TrainConfig, config_
 from isoloco_ray.data.checks import epochs, validated_data_dir
 from isoloco_ray.data.format import DataError, DatasetMeta
 from isoloco_ray.elastic import allowed_counts_only, ray_scaling_config
+from isoloco_ray.local_ray import joined_cluster
 from isoloco_ray.storage import check_writable
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
 
@@ -48,12 +49,6 @@ def run_name(cfg: TrainConfig) -> str:
     """`run.name`, or a fresh one from the strategy, R and the time."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return cfg.run.name or f"{cfg.outer.strategy}-R{cfg.scaling.replicas}-{stamp}"
-
-
-def joined_cluster() -> bool:
-    """Whether the run joins a cluster named by RAY_ADDRESS (e.g. under `ray job submit`)
-    rather than running on a local one."""
-    return bool(os.environ.get("RAY_ADDRESS"))
 
 
 def resolve_cpus_per_worker(scaling: ScalingConfig, *, local: bool, cores: int | None = None,

@@ -138,33 +138,125 @@ def test_rerun_is_idempotent_and_other_settings_refused(corpus: tuple[Path, Path
     assert "--overwrite" in capsys.readouterr().err
 
 
-def test_interrupted_prepare_resumes_to_identical_output(
-        corpus: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    root, reference = corpus
-    src = sources.open_source(str(root))
-    out = tmp_path / "ds"
+def _interrupt_at_write(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """The n-th shard write raises KeyboardInterrupt (killed mid-run); batches of 16 documents,
+    so progress is recorded between them."""
     real = packing.write_blocks
     calls = {"n": 0}
 
     def flaky(path, blocks):  # type: ignore[no-untyped-def]
         calls["n"] += 1
-        if calls["n"] == 30:
-            raise KeyboardInterrupt  # killed mid-run
+        if calls["n"] == n:
+            raise KeyboardInterrupt
         return real(path, blocks)
 
     monkeypatch.setattr(packing, "write_blocks", flaky)
-    monkeypatch.setattr(corpus_pipeline, "CORPUS_BATCH", 16)  # checkpoints between batches
-    with pytest.raises(KeyboardInterrupt):
-        corpus_pipeline.prepare_corpus(src, out, settings(src))
-    partial = tmp_path / ".ds.partial"
+    monkeypatch.setattr(corpus_pipeline, "CORPUS_BATCH", 16)
+
+
+def _interrupted(src: sources.TextSource, out: Path, engine: str,
+                 monkeypatch: pytest.MonkeyPatch) -> dict:
+    """Run prepare_corpus into ``out`` until it is killed at its 30th shard write; return the
+    progress record it left."""
+    with monkeypatch.context() as patch:
+        _interrupt_at_write(patch, 30)
+        with pytest.raises(KeyboardInterrupt):
+            corpus_pipeline.prepare_corpus(src, out, settings(src), engine=engine, workers=2)
+    partial = corpus_pipeline.partial_dir(out)
     assert not out.exists() and (partial / "progress.json").is_file()
     assert not list(partial.rglob(".*.tmp"))  # no half-written shard
-    done = json.loads((partial / "progress.json").read_text())["next_document"]
-    assert 0 < done < len(DOCS)
-    monkeypatch.setattr(packing, "write_blocks", real)
-    meta = corpus_pipeline.prepare_corpus(src, out, settings(src), workers=2)  # the pool path too
+    progress = json.loads((partial / "progress.json").read_text())
+    assert 0 < progress["next_document"] < len(DOCS)
+    assert sum(progress["file_documents"]) == progress["next_document"]
+    return progress
+
+
+def test_interrupted_prepare_resumes_to_identical_output(
+        corpus: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root, reference = corpus
+    src = sources.open_source(str(root))
+    out = tmp_path / "ds"
+    progress = _interrupted(src, out, "local", monkeypatch)
+    # A record without per-file counts (older versions) resumes too: they are counted again.
+    partial = corpus_pipeline.partial_dir(out)
+    del progress["file_documents"]
+    (partial / "progress.json").write_text(json.dumps(progress))
+    meta = corpus_pipeline.prepare_corpus(src, out, settings(src), workers=2)  # the pool path
     assert meta == DatasetMeta.load(reference)  # same shards, same checksums
     assert not partial.exists()
+
+
+def _same_files(a: Path, b: Path) -> None:
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for name in files:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.ray
+def test_ray_engine_writes_the_local_engines_bytes(ray_cluster: None, corpus: tuple[Path, Path],
+                                                   tmp_path: Path) -> None:
+    root, reference = corpus
+    src = sources.open_source(str(root))
+    corpus_pipeline.prepare_corpus(src, tmp_path / "ds", settings(src), engine="ray", workers=2)
+    _same_files(reference, tmp_path / "ds")  # shards, meta.json and tokenizer, byte for byte
+
+
+@pytest.mark.ray
+def test_each_engine_resumes_the_others_interrupted_run(
+        ray_cluster: None, corpus: tuple[Path, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    root, reference = corpus
+    src = sources.open_source(str(root))
+    for first, then in (("local", "ray"), ("ray", "local")):
+        out = tmp_path / f"{first}-{then}"
+        progress = _interrupted(src, out, first, monkeypatch)
+        file, skip = len(progress["file_documents"]) - 1, progress["file_documents"][-1]
+        assert file > 0 and skip > 0  # reading restarts inside a file, after the first one
+        corpus_pipeline.prepare_corpus(src, out, settings(src), engine=then, workers=2)
+        _same_files(reference, out)
+
+
+@pytest.mark.ray
+def test_ray_engine_names_the_bad_file_and_line(ray_cluster: None, corpus: tuple[Path, Path],
+                                                tmp_path: Path) -> None:
+    _, reference = corpus
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_bytes(b'{"text": "good"}\n{"text": "caf\xe9"}\n')
+    src = sources.open_source(str(tmp_path / "in"))
+    with pytest.raises(DataError, match=r"a.jsonl:2: not valid UTF-8 \(byte 0xe9\)") as error:
+        corpus_pipeline.prepare_corpus(src, tmp_path / "ds", settings(
+            src, tokenizer=str(reference / "tokenizer")), engine="ray")
+    assert "\n" not in str(error.value)  # the message alone: no task traceback, no retry advice
+
+
+def test_ray_engine_needs_files(tmp_path: Path) -> None:
+    src = sources.TextSource("generated", lambda: iter(DOCS))
+    with pytest.raises(DataError, match="--engine ray reads local files"):
+        corpus_pipeline.prepare_corpus(src, tmp_path / "ds", settings(src), engine="ray")
+    assert not (tmp_path / "ds").exists() and not (tmp_path / ".ds.partial").exists()
+
+
+def test_read_tasks_group_consecutive_files(tmp_path: Path) -> None:
+    from isoloco_ray.data.ray_tokenize import read_task_files
+
+    files = []
+    for i, size in enumerate([10, 10, 10, 50, 5, 5]):
+        files.append(tmp_path / f"{i}.txt")
+        files[-1].write_bytes(b"x" * size)
+    assert read_task_files(files, 0, task_bytes=20) == [[0, 1], [2, 3], [4, 5]]
+    assert read_task_files(files, 3, task_bytes=20) == [[3], [4, 5]]
+    assert read_task_files(files, 6, task_bytes=20) == []
+
+
+def test_progress_bar_shows_rate_and_files(corpus: tuple[Path, Path], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    root, _ = corpus
+    args = ["--source", str(root), "--tokenizer", "train-bpe:300", "--out", str(tmp_path / "ds"),
+            "--block-len", "32", "--shard-blocks", "8", "--workers", "1"]
+    assert prepare.main(args) == 0
+    err = capsys.readouterr().err
+    assert "train tokens" in err and "tok/s" in err and "file 42/42" in err
 
 
 def test_token_targets(corpus: tuple[Path, Path], tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ written after the last progress record is simply written again, identically).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -26,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -44,6 +45,9 @@ PROGRESS_FILE = "progress.json"
 DEFAULT_SHARD_TOKENS = 1 << 24      # 16 M tokens = 64 MB of int32 per shard
 DEFAULT_BPE_CHARS = 50_000_000      # text a train-bpe tokenizer learns from
 CORPUS_BATCH = 512                  # documents per task of the tokenizing pool
+ENGINES = ("local", "ray")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,15 @@ def document_split(seed: int, index: int, valid_fraction: float, test_fraction: 
     return "train"
 
 
+class TokenizedBatch(NamedTuple):
+    """A batch of documents tokenized: every document as [BOS] ids EOS in one int32 ``stream``,
+    the ``lengths`` of the documents in it, and the source file index of each (``files``)."""
+
+    stream: np.ndarray
+    lengths: np.ndarray
+    files: np.ndarray
+
+
 _WORKER_ENCODER: Any = None
 
 
@@ -98,6 +111,7 @@ def _init_worker(tokenizer_json: str) -> None:
     # Ctrl-C reaches the whole process group: the parent handles it (and terminates the pool);
     # workers would only print tracebacks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["RAYON_NUM_THREADS"] = "1"  # one core per worker: W workers use W cores
     _WORKER_ENCODER = encoder_from_json(tokenizer_json)
 
 
@@ -106,28 +120,34 @@ def _encode_in_worker(texts: list[str], eos_id: int,
     return encode_batch(_WORKER_ENCODER, texts, eos_id, bos_id)
 
 
-def tokenized_batches(batches: Iterable[list[str]], tokenizer_json: str, eos_id: int,
-                      bos_id: int | None, workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """``encode_batch`` of every batch, in order; ``workers > 1`` spreads batches over a process
-    pool with at most 2 batches per process in flight (Pool.imap would read the whole source)."""
+def local_tokenized_batches(documents: Iterable[tuple[int, str]], tokenizer_json: str,
+                            eos_id: int, bos_id: int | None,
+                            workers: int) -> Iterator[TokenizedBatch]:
+    """The local engine: ``encode_batch`` of every ``CORPUS_BATCH`` (file index, document)
+    pairs, in order; ``workers > 1`` spreads batches over a process pool with at most 2
+    batches per process in flight (Pool.imap would read the whole source)."""
+    batches = ((np.array([f for f, _ in batch], dtype=np.int64), [t for _, t in batch])
+               for batch in _batched(documents, CORPUS_BATCH))
     if workers <= 1:
         enc = encoder_from_json(tokenizer_json)
-        for texts in batches:
-            yield encode_batch(enc, texts, eos_id, bos_id)
+        for files, texts in batches:
+            yield TokenizedBatch(*encode_batch(enc, texts, eos_id, bos_id), files)
         return
     # spawn, not fork: forking after the Rust tokenizer used its thread pool can deadlock.
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_json,)) as pool:
         pending: deque[Any] = deque()
-        for texts in batches:
-            pending.append(pool.apply_async(_encode_in_worker, (texts, eos_id, bos_id)))
+        for files, texts in batches:
+            pending.append((files, pool.apply_async(_encode_in_worker, (texts, eos_id, bos_id))))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                files, result = pending.popleft()
+                yield TokenizedBatch(*result.get(), files)
         while pending:
-            yield pending.popleft().get()
+            files, result = pending.popleft()
+            yield TokenizedBatch(*result.get(), files)
 
 
-def _batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
+def _batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
     it = iter(items)
     while batch := list(itertools.islice(it, size)):
         yield batch
@@ -196,6 +216,8 @@ class _Run:
         self.staging = staging
         self.next_document = 0
         self.documents = {s: 0 for s in SPLITS}
+        self.file_documents: list[int] = []  # documents routed from each source file, so far
+        self.given = {s: 0 for s in SPLITS}  # tokens given to each split: written or pending
         self.packers = {s: BlockPacker(settings.block_len) for s in SPLITS}
         self.writers = {s: ShardWriter(staging / s, settings.shard_blocks) for s in SPLITS}
         self.targets = {"valid": settings.valid_tokens, "test": settings.test_tokens,
@@ -203,34 +225,46 @@ class _Run:
 
     def tokens(self, split: str) -> int:
         """Tokens given to a split so far (written, queued and in the packer)."""
-        w = self.writers[split]
-        return (sum(s.rows for s in w.shards) + w._buffered) * self.settings.block_len \
-            + self.packers[split].dropped
+        return self.given[split]
 
     def done(self) -> bool:
         """Whether train holds its --total-tokens (then no more documents are read)."""
         target = self.targets["train"]
-        return target is not None and self.tokens("train") >= target
+        return target is not None and self.given["train"] >= target
 
     def assign(self, index: int) -> str:
         s = self.settings
         split = document_split(s.seed, index, s.valid_fraction, s.test_fraction)
         target = self.targets[split]
-        if split != "train" and target is not None and self.tokens(split) >= target:
+        if split != "train" and target is not None and self.given[split] >= target:
             return "train"  # valid/test are full: the document is train's, still disjoint
         return split
 
-    def add_batch(self, stream: np.ndarray, lengths: np.ndarray) -> None:
-        """Route a tokenized batch document by document; stops early once train is full."""
-        ends = np.cumsum(lengths)
-        starts = ends - lengths
-        for start, end in zip(starts.tolist(), ends.tolist()):
+    def resume_point(self) -> tuple[int, int]:
+        """(source file, documents of it already routed): where reading goes on."""
+        if not self.file_documents:
+            return 0, 0
+        return len(self.file_documents) - 1, self.file_documents[-1]
+
+    def add_batch(self, batch: TokenizedBatch) -> None:
+        """Route a tokenized batch document by document (each split keeps the documents'
+        order); stops early once train is full."""
+        ends = np.cumsum(batch.lengths)
+        spans: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+        start = 0
+        for end, file in zip(ends.tolist(), batch.files.tolist()):
             if self.done():
-                return
+                break
             split = self.assign(self.next_document)
-            self.writers[split].add(self.packers[split].add(stream[start:end]))
+            spans[split].append(batch.stream[start:end])
+            self.given[split] += end - start
             self.documents[split] += 1
             self.next_document += 1
+            count_document(self.file_documents, file)
+            start = end
+        for split, pieces in spans.items():
+            if pieces:
+                self.writers[split].add(self.packers[split].add(np.concatenate(pieces)))
 
     def shards_written(self) -> int:
         return sum(len(w.shards) for w in self.writers.values())
@@ -249,7 +283,7 @@ class _Run:
         progress = {"fingerprint": self.settings.fingerprint(),
                     "settings": dataclasses.asdict(self.settings),
                     "next_document": self.next_document, "carry": name,
-                    "documents": self.documents,
+                    "documents": self.documents, "file_documents": self.file_documents,
                     "shards": {s: [i.model_dump() for i in self.writers[s].shards]
                                for s in SPLITS}}
         strict_json.write(self.staging / PROGRESS_FILE, progress, indent=1)
@@ -260,10 +294,13 @@ class _Run:
     def restore(self, progress: dict[str, Any]) -> None:
         self.next_document = progress["next_document"]
         self.documents = progress["documents"]
+        self.file_documents = progress["file_documents"]
         with np.load(self.staging / progress["carry"]) as carry:
             for s in SPLITS:
                 self.writers[s].shards = [ShardInfo(**i) for i in progress["shards"][s]]
                 self.writers[s].add(self.packers[s].add(carry[s]))
+                written = sum(i.rows for i in self.writers[s].shards)
+                self.given[s] = written * self.settings.block_len + len(carry[s])
 
     def finish(self, tokenizer: Any, bos_id: int | None) -> DatasetMeta:
         splits = {}
@@ -292,11 +329,20 @@ def partial_dir(out_dir: Path) -> Path:
 
 
 def prepare_corpus(source: TextSource, out_dir: str | os.PathLike[str], settings: CorpusSettings,
-                   *, workers: int = 1, overwrite: bool = False,
+                   *, workers: int | None = 1, engine: str = "local", overwrite: bool = False,
                    progress: bool = False) -> DatasetMeta:
     """Prepare a streamed corpus in ``out_dir`` (format.py), resuming an unfinished run of the
-    same settings; return its meta. See the comment at the top of this module for
-    the guarantees."""
+    same settings; return its meta. ``engine``: "local" tokenizes in ``workers`` processes
+    here, "ray" on ``workers`` Ray actors (ray_tokenize.py); None: one per CPU (of the
+    cluster, for "ray"). Both write the same bytes, and either can resume the other's
+    unfinished run. See the comment at the top of this module
+    for the guarantees."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "ray" and not source.files:
+        raise DataError(f"--engine ray reads local files, and {source.name} is not: download "
+                        "its parquet files to a folder every node can read and pass that folder "
+                        "as --source, or use --engine local")
     out_dir = Path(out_dir).expanduser().absolute()
     with locked(out_dir):
         check_replaceable(out_dir, overwrite)
@@ -310,7 +356,7 @@ def prepare_corpus(source: TextSource, out_dir: str | os.PathLike[str], settings
                     "to finish it, or pass --overwrite to discard it")
             saved = None
         try:
-            meta = _prepare_into(staging, saved, source, settings, workers, progress)
+            meta = _prepare_into(staging, saved, source, settings, workers, engine, progress)
             publish(staging, out_dir, overwrite)
         except BaseException as e:
             e.add_note(_keep_if_resumable(staging, settings))
@@ -319,7 +365,8 @@ def prepare_corpus(source: TextSource, out_dir: str | os.PathLike[str], settings
 
 
 def _prepare_into(staging: Path, saved: dict[str, Any] | None, source: TextSource,
-                  settings: CorpusSettings, workers: int, progress: bool) -> DatasetMeta:
+                  settings: CorpusSettings, workers: int | None, engine: str,
+                  progress: bool) -> DatasetMeta:
     """prepare_corpus's work in ``staging``, from the start (``saved`` None) or from a progress
     record; ends with the complete dataset there (meta.json written, progress file removed)."""
     if saved is None:
@@ -333,17 +380,33 @@ def _prepare_into(staging: Path, saved: dict[str, Any] | None, source: TextSourc
         tokenizer = AutoTokenizer.from_pretrained(staging / TOKENIZER_DIR)
     run = _Run(staging, settings)
     if saved is not None:
+        if "file_documents" not in saved:  # recorded by a version without per-file counts
+            saved["file_documents"] = _count_by_file(source, saved["next_document"])
         run.restore(saved)
     else:
         run.save_progress()
     bos_id = uses_bos(tokenizer)
-    _stream_into(run, source, tokenizer, bos_id, workers, progress)
+    _stream_into(run, source, tokenizer, bos_id, workers, engine, progress)
     meta = run.finish(tokenizer, bos_id)
     meta.save(staging)
     (staging / PROGRESS_FILE).unlink()
     for carry in staging.glob("carry-*.npz"):
         carry.unlink()
     return meta
+
+
+def _count_by_file(source: TextSource, documents: int) -> list[int]:
+    """How many of the first ``documents`` documents each source file holds."""
+    counts: list[int] = []
+    for file, _ in itertools.islice(source.documents_from(0, 0), documents):
+        count_document(counts, file)
+    return counts
+
+
+def count_document(counts: list[int], file: int) -> None:
+    """One more document of source file ``file`` in ``counts`` (a count per file)."""
+    counts.extend([0] * (file + 1 - len(counts)))
+    counts[file] += 1
 
 
 def _keep_if_resumable(staging: Path, settings: CorpusSettings) -> str:
@@ -359,33 +422,59 @@ def _keep_if_resumable(staging: Path, settings: CorpusSettings) -> str:
 
 
 def _stream_into(run: _Run, source: TextSource, tokenizer: Any, bos_id: int | None,
-                 workers: int, progress: bool) -> None:
-    """Tokenize the documents from ``run.next_document`` on and route them; checkpoint after
+                 workers: int | None, engine: str, progress: bool) -> None:
+    """Tokenize the documents from the run's resume point on and route them; checkpoint after
     every batch that completed a shard."""
-    bar = _progress_bar(run.settings.total_tokens, run.tokens("train"), progress)
-    documents = itertools.islice(source.documents(), run.next_document, None)
+    bar = _ProgressBar(run, source, progress)
+    file, skip = run.resume_point()
+    encoding = (backend_json(tokenizer), tokenizer.eos_token_id, bos_id)
     written = run.shards_written()
-    try:
-        for stream, lengths in tokenized_batches(_batched(documents, CORPUS_BATCH),
-                                                 backend_json(tokenizer), tokenizer.eos_token_id,
-                                                 bos_id, workers):
-            before = run.tokens("train")
-            run.add_batch(stream, lengths)
-            bar.update(run.tokens("train") - before)
+    with contextlib.ExitStack() as stack:
+        stack.callback(bar.close)  # ends the bar's line before any message
+        if engine == "ray":
+            from isoloco_ray.data import ray_tokenize
+
+            actors = stack.enter_context(ray_tokenize.ray_running(workers))
+            batches = ray_tokenize.ray_tokenized_batches(source, file, skip, *encoding, actors)
+        else:
+            batches = local_tokenized_batches(source.documents_from(file, skip), *encoding,
+                                              workers or os.cpu_count() or 1)
+        for batch in batches:
+            run.add_batch(batch)
+            bar.update(run)
             if run.shards_written() != written:
                 run.save_progress()
                 written = run.shards_written()
             if run.done():
                 break
-    finally:
-        bar.close()  # ends the bar's line before any message
 
 
-def _progress_bar(total: int | None, initial: int, enabled: bool) -> Any:
-    from tqdm import tqdm
+class _ProgressBar:
+    """train tokens with tokens/s and an ETA: against --total-tokens, or else against the
+    whole source, extrapolated from the bytes of the source files read so far."""
 
-    return tqdm(total=total, initial=initial, unit="tok", unit_scale=True, disable=not enabled,
-                desc="train tokens", file=sys.stderr)
+    def __init__(self, run: _Run, source: TextSource, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self._file_bytes = [f.stat().st_size for f in source.files]
+        self._target = run.settings.total_tokens
+        self._bar = tqdm(total=self._target, initial=run.tokens("train"), unit="tok",
+                         unit_scale=True, disable=not enabled, desc="train tokens",
+                         file=sys.stderr)
+
+    def update(self, run: _Run) -> None:
+        train = run.tokens("train")
+        if self._file_bytes and run.file_documents:
+            files_read = len(run.file_documents) - 1  # the last one may go on
+            self._bar.set_postfix_str(f"file {files_read + 1}/{len(self._file_bytes)}",
+                                      refresh=False)
+            read = sum(self._file_bytes[:files_read])
+            if self._target is None and read:
+                self._bar.total = round(train * sum(self._file_bytes) / read)
+        self._bar.update(train - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 def _read_progress(staging: Path) -> dict[str, Any] | None:

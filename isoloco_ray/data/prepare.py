@@ -3,6 +3,7 @@
     python -m isoloco_ray.data.prepare --demo [--out DIR] [--overwrite]
     python -m isoloco_ray.data.prepare --source SRC --tokenizer TOK --out DIR [--total-tokens N]
         [--valid-tokens N] [--test-tokens N] [--shard-tokens N] [--workers N]
+        [--engine local|ray]
     python -m isoloco_ray.data.prepare --from-npy DIR --tokenizer TOK --out DIR
 
 ``--demo`` prepares the demo corpus (documents.py), ``--source`` a real corpus (corpus.py:
@@ -14,14 +15,14 @@ provably a prepared dataset.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 
-from isoloco_ray.data.corpus import DEFAULT_SHARD_TOKENS, CorpusSettings, prepare_corpus
+from isoloco_ray.data.corpus import (DEFAULT_SHARD_TOKENS, ENGINES, CorpusSettings,
+                                     prepare_corpus)
 from isoloco_ray.data import documents
 from isoloco_ray.data.documents import default_demo_dir, is_current_demo, prepare_demo
 from isoloco_ray.data.format import SPLITS, DataError, DatasetMeta, verify
@@ -79,8 +80,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of documents hashed to valid (default: %(default)s)")
     p.add_argument("--test-fraction", type=float, default=0.01,
                    help="share of documents hashed to test (default: %(default)s)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="tokenizing processes (default: the CPU count, %(default)s)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="tokenizing processes (--engine local) or Ray actors (--engine ray); "
+                        "default: one per CPU (of this machine, or of the Ray cluster)")
+    p.add_argument("--engine", choices=ENGINES, default="local",
+                   help="--source: 'local' tokenizes in processes on this machine; 'ray' reads "
+                        "and tokenizes with Ray Data on the local Ray cluster, or on the cluster "
+                        "named by RAY_ADDRESS (under ray job submit), where every node must see "
+                        "--source at the same path. Both write the same dataset (default: "
+                        "%(default)s)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="--demo: BPE vocabulary size (default %d); --from-npy: the arrays' "
                         "vocabulary when larger than the tokenizer's"
@@ -105,7 +113,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--shard-blocks must be >= 1, got {args.shard_blocks}")
     if args.demo and args.vocab_size is not None and args.vocab_size < 257:
         p.error(f"--vocab-size must be >= 257 (256 bytes + EOS), got {args.vocab_size}")
-    if args.workers < 1:
+    if args.workers is not None and args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
     for name in ("total_tokens", "valid_tokens", "test_tokens", "shard_tokens"):
         value = getattr(args, name)
@@ -186,7 +194,7 @@ def _main_source(args: argparse.Namespace, out_dir: Path) -> DatasetMeta | None:
     if not args.overwrite and _already_prepared(out_dir, settings):
         print(f"already prepared with these settings: {out_dir}")
         return None
-    return prepare_corpus(source, out_dir, settings, workers=args.workers,
+    return prepare_corpus(source, out_dir, settings, workers=args.workers, engine=args.engine,
                           overwrite=args.overwrite, progress=not args.quiet)
 
 

@@ -20,6 +20,7 @@ uint16 streams) for ``prepare --from-npy``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -41,10 +42,23 @@ _NPY_NAME = re.compile(r"^(train|valid|test)_(\d{6})\.npy$")
 
 @dataclass(frozen=True)
 class TextSource:
-    """A re-iterable source of documents: ``documents()`` starts over from the first one."""
+    """A re-iterable source of documents: ``documents()`` starts over from the first one. A local
+    source also lists its ``files`` (read in that order, ``text_field`` of each record), so its
+    documents can be read file by file: by Ray Data's read tasks, or from a file on resume."""
 
     name: str
     documents: Callable[[], Iterator[str]]
+    files: tuple[Path, ...] = ()
+    text_field: str = "text"
+
+    def documents_from(self, file: int, skip: int) -> Iterator[tuple[int, str]]:
+        """(file index, document) for every document from the ``skip``-th of file ``file`` on
+        (the count runs on into later files); a source without files is one file, index 0."""
+        if not self.files:
+            return ((0, text) for text in itertools.islice(self.documents(), skip, None))
+        indexed = ((index, text) for index in range(file, len(self.files))
+                   for text in file_documents(self.files[index], self.text_field))
+        return itertools.islice(indexed, skip, None)
 
 
 def open_source(spec: str, text_field: str = "text", hf_split: str = "train") -> TextSource:
@@ -56,7 +70,8 @@ def open_source(spec: str, text_field: str = "text", hf_split: str = "train") ->
             if f.suffix == ".parquet":
                 _parquet_text_column(f, text_field)  # a wrong column fails now, not mid-run
         return TextSource(f"local: {path.absolute()} ({len(files)} files, field {text_field!r})",
-                          lambda: iter_local_documents(files, text_field))
+                          lambda: iter_local_documents(files, text_field), tuple(files),
+                          text_field)
     if spec.startswith((".", "/", "~")) or spec.endswith(TEXT_SUFFIXES):
         raise DataError(f"--source {spec}: no such file or folder")
     name, _, config = spec.partition(":")
@@ -88,11 +103,16 @@ def local_files(path: Path) -> list[Path]:
 
 def iter_local_documents(files: list[Path], text_field: str = "text") -> Iterator[str]:
     """Yield the documents of ``files`` in order; empty documents are skipped."""
-    readers = {".txt": _iter_txt, ".jsonl": _iter_jsonl, ".parquet": _iter_parquet}
     for f in files:
-        for text in readers[f.suffix](f, text_field):
-            if text:
-                yield text
+        yield from file_documents(f, text_field)
+
+
+def file_documents(path: Path, text_field: str = "text") -> Iterator[str]:
+    """The non-empty documents of one local text file (.txt, .jsonl or .parquet), in order."""
+    readers = {".txt": _iter_txt, ".jsonl": _iter_jsonl, ".parquet": _iter_parquet}
+    for text in readers[path.suffix](path, text_field):
+        if text:
+            yield text
 
 
 def looks_binary(path: Path) -> bool:

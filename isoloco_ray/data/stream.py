@@ -157,8 +157,8 @@ def read_with_ray_data(ranges: Sequence[ShardRange], rows_per_batch: int = 256
     dataset = ray.data.read_datasource(
         ShardRangesSource(ranges, rows_per_block=ROWS_PER_BLOCK), override_num_blocks=1,
         ray_remote_args=reader_task_options())
-    with closing(dataset.iter_batches(batch_size=rows_per_batch, batch_format="numpy",
-                                      prefetch_batches=2)) as batches:
+    with closing(iter(dataset.iter_batches(batch_size=rows_per_batch, batch_format="numpy",
+                                           prefetch_batches=2))) as batches:
         for batch in batches:
             yield ShardBlocks(np.stack(batch["tokens"]), batch[PATH_COLUMN])
 
