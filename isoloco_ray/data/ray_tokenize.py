@@ -42,7 +42,8 @@ from isoloco_ray.data.encoding import encode_batch, encoder_from_json
 from isoloco_ray.data.format import DataError
 from isoloco_ray.data.sources import TextSource, file_documents
 
-DOCUMENTS_PER_BLOCK = 2048  # a read task's output blocks
+DOCUMENTS_PER_BLOCK = 2048  # a read task's output blocks (a few MB of text)
+BLOCK_BYTES = 8 << 20
 TASK_BYTES = 64 << 20  # source files are grouped into read tasks of about this many bytes
 FILE_COLUMN, TEXT_COLUMN, TOKENS_COLUMN = "file", "text", "tokens"
 
@@ -128,6 +129,9 @@ def ray_tokenized_batches(source: TextSource, file: int, skip: int, tokenizer_js
         return
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
+    # Blocks as the read task yields them: at Ray's default (128 MiB) it would hand over a
+    # whole run of files as one block, to one actor, and the driver would wait for all of it.
+    context.target_max_block_size = BLOCK_BYTES
     dataset = ray.data.read_datasource(
         TextFilesSource(source.files, tasks, skip, source.text_field),
         override_num_blocks=len(tasks), num_cpus=0)  # reading is light; CPUs go to the actors
