@@ -15,6 +15,9 @@ they are reported as multiples of P, the model's float32 bytes, and scaled to th
 - everyone (replicated; sharded diloco, diloco_sgd and dare in float32): a float32
   all-reduce of the sums, 2(W-1)/W·P, for mean-only strategies; otherwise an all-gather of
   every payload, (W-1)·c·P.
+- int8 / float8 (one byte per entry and a float32 scale per row): every replica's Δ_r is
+  quantised on its own, for mean-only strategies too (c = L), so that what it loses is its
+  own (error feedback); about (W-1)·L·o·P/4 + (1-o)·P/4 through the owners.
 
 The baseline is the naive all-gather of every replica's Δ to every rank: (W-1)·L·P.
 
@@ -57,8 +60,8 @@ REPLICAS = 8
 MERGE_RANKS = 4  # part 2's outer group
 STRATEGIES = tuple(name for name, spec in STRATEGY_SPECS.items() if spec.has_outer_step)
 # Part 1's (placement, comm_dtype) rows.
-TRANSPORTS = (("sharded", "float32"), ("sharded", "bfloat16"), ("rank0", "float32"),
-              ("replicated", "float32"))
+TRANSPORTS = (("sharded", "float32"), ("sharded", "bfloat16"), ("sharded", "int8"),
+              ("sharded", "float8"), ("rank0", "float32"), ("replicated", "float32"))
 TARGET_RANKS = 4
 TARGETS = {"mean-only": 1 / 3, "per-replica": 1 / 2}  # busiest / baseline at W = 4
 MERGE_TARGET = 1 / 2  # sharded / replicated, busiest rank's merge seconds

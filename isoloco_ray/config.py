@@ -252,10 +252,25 @@ class OuterConfig(_Section):
     placement: Literal["sharded", "rank0", "replicated"] = Field(
         "sharded", description="who merges each tensor: sharded (owners spread over the workers, "
         "balanced by cost), rank0 (one worker merges all), replicated (every worker merges all)")
-    comm_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype pseudo-gradients and updates travel in to and from their "
-        "owners; bfloat16 halves those bytes (merges still run in float32 or float64; "
-        "all-reduced sums stay float32)")
+    comm_dtype: Literal["float32", "bfloat16", "int8", "float8"] = Field(
+        "float32", description="how pseudo-gradients and updates travel to and from their "
+        "owners: bfloat16 halves the bytes; int8 and float8 (e4m3) quarter them, one byte per "
+        "entry plus a float32 scale per row (merges still run in float32 or float64 on the "
+        "decoded values; all-reduced sums stay float32)")
+    error_feedback: bool = Field(
+        False, description="each replica adds what the transport lost of its pseudo-gradient "
+        "last round to this round's before sending it (needs a lossy comm_dtype)")
+
+    @model_validator(mode="after")
+    def _check_error_feedback(self) -> OuterConfig:
+        if self.error_feedback and self.comm_dtype == "float32":
+            raise ValueError("outer.error_feedback corrects what a lossy outer.comm_dtype loses; "
+                             "float32 loses nothing: set outer.comm_dtype to int8, float8 or "
+                             "bfloat16, or turn error_feedback off")
+        if self.error_feedback and self.strategy == "adamw_ddp":
+            raise ValueError("outer.error_feedback has no effect with adamw_ddp (it has no outer "
+                             "sync): turn it off")
+        return self
 
 
 class WandbConfig(_Section):

@@ -23,9 +23,18 @@ RUN = ["--model.preset=tiny", "--scaling.replicas=2", "--scaling.replicas_per_wo
        "--data.batch_size=4", "--run.eval_tokens=512", "--run.eval_every=2"]
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "dare", "tsv", "adamw_ddp"])
-def test_interrupted_and_resumed_run_is_bit_identical(small_dataset, tmp_path, strategy):
-    cfg = load_config(RUN + [f"--outer.strategy={strategy}"])
+COMPRESSED = ["--outer.comm_dtype=int8", "--outer.error_feedback=true"]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--outer.strategy=diloco"], ["--outer.strategy=dare"], ["--outer.strategy=tsv"],
+    ["--outer.strategy=adamw_ddp"],
+    # Error feedback: each replica's residual is part of the checkpoint.
+    ["--outer.strategy=tsv", *COMPRESSED],
+    ["--outer.strategy=dare", "--outer.comm_dtype=float8", "--outer.error_feedback=true"],
+], ids=["diloco", "dare", "tsv", "adamw_ddp", "tsv-int8-feedback", "dare-float8-feedback"])
+def test_interrupted_and_resumed_run_is_bit_identical(small_dataset, tmp_path, flags):
+    cfg = load_config(RUN + flags)
     whole, whole_params = run_local(cfg, small_dataset)
 
     with pytest.raises(StopAfterRound):  # dies after round 3: round 3's work is lost
@@ -57,6 +66,20 @@ def test_checkpoint_holds_every_replica_and_loads_without_pickle(small_dataset, 
     assert replica["stream"] == {"epoch": 0, "sequences": 2 * 2 * 4,
                                  "shard": "part-00003.parquet", "row": 0}
     assert replica["schedule"]["last_epoch"] == 4
+
+
+def test_error_feedback_residuals_are_saved_with_their_replica(small_dataset, tmp_path):
+    cfg = load_config(RUN + ["--run.rounds=2", "--outer.strategy=tsv", *COMPRESSED])
+    run_local(cfg, small_dataset, checkpoints=tmp_path)
+    params, _, _ = checkpoint.load_shared(tmp_path / "round_000002")
+    for r in range(2):
+        feedback = checkpoint.load_replica(tmp_path / "round_000002", r)["feedback"]
+        assert set(feedback) == set(params)
+        assert all(torch.isfinite(e).all() for e in feedback.values())
+        assert sum(float(e.abs().sum()) for e in feedback.values()) > 0
+    plain = load_config(RUN + ["--run.rounds=2"])
+    run_local(plain, small_dataset, checkpoints=tmp_path / "plain")
+    assert "feedback" not in checkpoint.load_replica(tmp_path / "plain" / "round_000002", 0)
 
 
 def test_resume_with_other_settings_is_refused(small_dataset, tmp_path):

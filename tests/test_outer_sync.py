@@ -10,6 +10,7 @@ import zlib
 import pytest
 import torch
 
+from isoloco_ray.workers.codec import codec_for
 from isoloco_ray.workers.local import in_gloo_group
 from isoloco_ray.config import MODEL_PRESETS, load_config
 from isoloco_ray.workers.outer_plan import OuterPlan, assign_owners, merge_cost
@@ -275,7 +276,8 @@ def test_transfer_steps_bucket_each_owners_tensors():
     shapes = {f"t{i}": torch.Size((100 * (i + 1),)) for i in range(10)}
     plan = OuterPlan.build(shapes, "mean", 4, 3, "sharded")
     numels = {name: shape.numel() for name, shape in shapes.items()}
-    steps = plan.transfer_steps(numels, 4, copies=2, bucket_bytes=4000)
+    steps = plan.transfer_steps({name: 4 * n for name, n in numels.items()}, copies=2,
+                                bucket_bytes=4000)
     for owner in range(3):
         moved = [name for step in steps for name in step[owner]]
         assert moved == list(plan.owned[owner])  # each once, in model order
@@ -289,3 +291,112 @@ def test_placement_names_are_checked():
         assign_owners({"w": 1.0}, 2, "everywhere")
     with pytest.raises(Exception, match="outer.placement"):
         load_config(["--outer.placement=everywhere"])
+
+
+# -- 8-bit transport with error feedback ---------------------------------------------------------
+
+QUANTIZED_RUNS = [(v, p, kind) for v in ("diloco", "isoloco", "tsv")
+                  for p in ("sharded", "replicated") for kind in ("int8", "float8")]
+
+
+def run_with_feedback(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict:
+    """Each (variant, placement, comm_dtype) with outer.error_feedback for ROUNDS rounds on
+    this rank's replicas, the residuals held as the Trainer holds them (one dict each)."""
+    hosted_ids = range(rank * REPLICAS // world, (rank + 1) * REPLICAS // world)
+    results = {}
+    for variant, placement, comm_dtype in runs:
+        cfg = load_config((VARIANTS[variant] or [f"--outer.strategy={variant}"]) + [
+            f"--scaling.replicas={REPLICAS}", "--scaling.replicas_per_worker=2",
+            f"--outer.placement={placement}", f"--outer.comm_dtype={comm_dtype}",
+            "--outer.error_feedback=true"])
+        sync = OuterSync(cfg.outer, REPLICAS, seed=0)
+        params = initial_params()
+        feedback: dict[int, dict[str, torch.Tensor]] = {r: {} for r in hosted_ids}
+        history = []
+        for round_index in range(ROUNDS):
+            hosted = {r: pseudo_gradient(r, round_index) for r in hosted_ids}
+            stats = sync.step(params, hosted, round_index, feedback=feedback)
+            history.append({"params": {n: p.clone() for n, p in params.items()},
+                            "bytes": stats.bytes_received, "dropped": stats.dropped})
+        results[variant, placement, comm_dtype] = {
+            "history": history, "owners": sync.plan({n: torch.Size(s)
+                                                     for n, s in SHAPES.items()}).owners,
+            "feedback": {r: {n: e.clone() for n, e in fb.items()} for r, fb in feedback.items()}}
+    return results
+
+
+def reference_with_feedback(variant: str, comm_dtype: str) -> tuple[list, dict]:
+    """The semantics in plain steps, one process: replica r sends x = Δ_r + e_r, the merge
+    sees decode(encode(x)) (float32 otherwise), and e_r becomes x − decode(encode(x)); a
+    dropped replica keeps its e_r."""
+    codec = codec_for(comm_dtype)
+    sync = OuterSync(variant_config(variant, "replicated").outer, REPLICAS, seed=0)
+    params = initial_params()
+    residual = {r: {n: torch.zeros(s) for n, s in SHAPES.items()} for r in range(REPLICAS)}
+    history = []
+    for round_index in range(ROUNDS):
+        sent = {}
+        for r in range(REPLICAS):
+            delta = pseudo_gradient(r, round_index)
+            if (round_index, r) == DIVERGED:
+                sent[r] = delta  # non-finite: left out, its residual kept
+                continue
+            x = {n: delta[n] + residual[r][n] for n in SHAPES}
+            sent[r] = {n: codec.roundtrip(x[n]) for n in SHAPES}
+            residual[r] = {n: x[n] - sent[r][n] for n in SHAPES}
+        sync.step(params, sent, round_index)
+        history.append({n: p.clone() for n, p in params.items()})
+    return history, residual
+
+
+@pytest.fixture(scope="module")
+def quantized_four_ranks():
+    return in_gloo_group(run_with_feedback, RANKS, QUANTIZED_RUNS)
+
+
+@pytest.mark.parametrize("variant", ["diloco", "isoloco", "tsv"])
+@pytest.mark.parametrize("comm_dtype", ["int8", "float8"])
+def test_quantized_transport_merges_the_decoded_corrected_deltas(quantized_four_ranks, variant,
+                                                                 comm_dtype):
+    want, want_residual = reference_with_feedback(variant, comm_dtype)
+    start = initial_params()
+    for placement in ("sharded", "replicated"):
+        ranks = [result[variant, placement, comm_dtype] for result in quantized_four_ranks]
+        for round_index in range(ROUNDS):
+            assert ranks[0]["history"][round_index]["dropped"] == (
+                [DIVERGED[1]] if round_index == DIVERGED[0] else [])
+            got = ranks[0]["history"][round_index]["params"]
+            for name in SHAPES:
+                for other in ranks[1:]:  # every rank ends bit-identical
+                    assert torch.equal(other["history"][round_index]["params"][name], got[name])
+                if placement == "replicated":  # updates never travel: the reference exactly
+                    torch.testing.assert_close(got[name], want[round_index][name], rtol=0,
+                                               atol=1e-6)
+                else:  # owners send their updates in comm_dtype too
+                    bound = 2e-2 if comm_dtype == "int8" else 1e-1
+                    assert relative_error(got[name], want[round_index][name],
+                                          start[name]) < bound
+        for rank, result in enumerate(ranks):
+            for r, residual in result["feedback"].items():
+                assert r // (REPLICAS // RANKS) == rank
+                for name in SHAPES:
+                    if placement == "replicated":
+                        torch.testing.assert_close(residual[name], want_residual[r][name],
+                                                   rtol=0, atol=1e-6)
+                    assert residual[name].abs().sum() > 0
+
+
+def test_quantized_transport_takes_a_byte_per_entry_and_a_scale_per_row(quantized_four_ranks):
+    wire = {name: torch.Size(s).numel() + 4 * (s[0] if len(s) > 1 else 1)
+            for name, s in SHAPES.items()}
+    hosted = REPLICAS // RANKS
+    for variant in ("diloco", "tsv"):
+        for rank, result in enumerate(quantized_four_ranks):
+            replicated = result[variant, "replicated", "int8"]["history"][0]["bytes"]
+            assert replicated == (RANKS - 1) * hosted * sum(wire.values())  # all-gather
+            run = result[variant, "sharded", "int8"]
+            owned = sum(wire[n] for n, owner in run["owners"].items() if owner == rank)
+            assert run["history"][0]["bytes"] == (
+                (RANKS - 1) * hosted * owned + sum(wire.values()) - owned)
+            assert result[variant, "sharded", "float8"]["history"][0]["bytes"] == \
+                run["history"][0]["bytes"]

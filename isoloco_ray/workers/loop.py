@@ -215,7 +215,9 @@ class Trainer:
         self.stop_if_any_rank_failed(data_error)
         inner_seconds = time.perf_counter() - started
         diverged = [r for r, loss in losses.items() if not math.isfinite(loss)]
-        stats = self.outer.step(self.global_params, deltas, self.round, diverged)
+        feedback = ({r.index: r.feedback for r in self.replicas}
+                    if self.cfg.outer.error_feedback else None)
+        stats = self.outer.step(self.global_params, deltas, self.round, diverged, feedback)
         for replica in self.replicas:
             if replica.index in stats.dropped:
                 replica.reset_optimizer()

@@ -77,15 +77,14 @@ class OuterPlan:
         owned = tuple(tuple(n for n in shapes if owners[n] == k) for k in range(ranks))
         return cls(owners, ranks, owned)
 
-    def transfer_steps(self, numels: Mapping[str, int], bytes_per_element: int,
-                       copies: int = 1, bucket_bytes: int = BUCKET_BYTES
-                       ) -> list[list[tuple[str, ...]]]:
+    def transfer_steps(self, nbytes: Mapping[str, int], copies: int = 1,
+                       bucket_bytes: int = BUCKET_BYTES) -> list[list[tuple[str, ...]]]:
         """steps[s][k]: the tensors of owner k moved in step s, each owner's tensors cut into
-        buckets of at most `bucket_bytes` (counting `copies` of each tensor); owners with
-        fewer buckets move nothing in the last steps."""
+        buckets of at most `bucket_bytes` (counting `copies` of each tensor of `nbytes` bytes
+        on the wire); owners with fewer buckets move nothing in the last steps."""
         per_owner = []
         for names in self.owned:
-            sizes = [copies * numels[n] * bytes_per_element for n in names]
+            sizes = [copies * nbytes[n] for n in names]
             per_owner.append([tuple(names[i] for i in index) for index in buckets(sizes,
                                                                                  bucket_bytes)])
         count = max((len(b) for b in per_owner), default=0)

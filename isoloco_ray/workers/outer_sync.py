@@ -32,6 +32,7 @@ import torch
 from isoloco_ray import aggregators
 from isoloco_ray.config import OuterConfig
 from isoloco_ray.strategies import OuterMerge
+from isoloco_ray.workers.codec import RowQuantCodec
 from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
 from isoloco_ray.workers.outer_plan import OuterPlan
 from isoloco_ray.workers.transport import Contributions, Transport
@@ -94,16 +95,26 @@ class OuterSync:
         self.hosted_per_rank = replicas // self.ranks
         self.resolved = OuterMerge.of(outer)
         self.merge = self.resolved.merge
-        self.mean_only = self.resolved.of_mean  # each rank sends the sum of its Δ_r
+        self.mean_only = self.resolved.of_mean  # the merge needs only the mean of the Δ_r
         self.transport = Transport(outer.comm_dtype, group)
+        # Each rank sends the sum of its Δ_r when only their mean is needed and the sum may
+        # travel as is; quantised or error-corrected payloads are every replica's own, so
+        # what each replica loses to quantisation is its own (and the same in any layout).
+        self.sends_sums = self.mean_only and not (
+            self.quantized or outer.error_feedback)
         self.optimizer = aggregators.OuterOptimizer(
             lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov,
             orthogonalize_update=self.resolved.orthogonalize_update)
         # Whether every rank merges everything (see the module docstring), else owners do.
         self.everyone_merges = outer.placement == "replicated" or (
             outer.placement == "sharded" and self.resolved.elementwise
-            and self.transport.comm_dtype == torch.float32)
+            and outer.comm_dtype == "float32")
         self._plan: OuterPlan | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether payloads travel as 8-bit codes (outer.comm_dtype int8 or float8)."""
+        return isinstance(self.transport.codec, RowQuantCodec)
 
     def plan(self, shapes: Mapping[str, torch.Size]) -> OuterPlan:
         """Owners of the tensors of `shapes` (built on first use; the same every round)."""
@@ -139,12 +150,16 @@ class OuterSync:
 
     def step(self, global_params: dict[str, torch.Tensor],
              hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
-             diverged: Collection[int] = ()) -> OuterStepStats:
+             diverged: Collection[int] = (),
+             feedback: Mapping[int, dict[str, torch.Tensor]] | None = None) -> OuterStepStats:
         """Apply one outer step to `global_params` in place from the hosted replicas' Δ_r.
 
         Replicas in `diverged` (non-finite inner loss) or with a non-finite Δ_r are left out on
         every rank alike, and the merge uses the others (the mean divides by their number).
         With none left the round is skipped: parameters and momentum stay as they were.
+        `feedback` (outer.error_feedback): each hosted replica's residual, added to its Δ_r
+        before it is sent and replaced by what the transport loses of the sum (see
+        `_payload`); a dropped replica's is kept as it was.
         """
         stats = OuterStepStats()
         good = self._good_replicas(hosted, diverged)
@@ -155,10 +170,10 @@ class OuterSync:
         plan = self.plan({name: t.shape for name, t in global_params.items()})
         device = next(iter(global_params.values())).device
         with stopwatch(stats, "merge_seconds", device):
-            payload = self._payload(hosted, good, round_index)
+            payload = self._payload(hosted, good, round_index, feedback)
         if self.everyone_merges:
             with stopwatch(stats, "comm_seconds", device):
-                contributions = self.transport.everything(payload, summed=self.mean_only)
+                contributions = self.transport.everything(payload, summed=self.sends_sums)
             with stopwatch(stats, "merge_seconds", device):
                 updates = self._updates(contributions, good, round_index)
         else:
@@ -188,13 +203,29 @@ class OuterSync:
         return [r for r, flag in enumerate(summed) if flag > 0.5]
 
     def _payload(self, hosted: Mapping[int, Mapping[str, torch.Tensor]], good: Sequence[int],
-                 round_index: int) -> dict[str, list[torch.Tensor]]:
-        """Per tensor, what this rank sends: [Σ of its good replicas' Δ_r] (mean-only), or
-        every hosted Δ_r in replica order (bad ones too; the merge leaves them out)."""
+                 round_index: int,
+                 feedback: Mapping[int, dict[str, torch.Tensor]] | None = None
+                 ) -> dict[str, list[torch.Tensor]]:
+        """Per tensor, what this rank sends: [Σ of its good replicas' Δ_r] (`sends_sums`), or
+        every hosted Δ_r in replica order (bad ones too; the merge leaves them out). With
+        `feedback`, replica r sends x = Δ_r + e_r (pruned first where the mean of pruned Δ_r
+        is merged) and keeps e_r ← x − decode(encode(x)): what the wire lost this round is
+        sent with the next round's."""
         order = sorted(hosted)
         names = list(hosted[order[0]])
-        if not self.mean_only:
-            return {name: [hosted[r][name] for r in order] for name in names}
+        if not self.sends_sums:
+            sent = {r: dict(hosted[r]) for r in order}
+            for r in order:
+                if feedback is not None and r in good:
+                    for name, residual in feedback[r].items():
+                        sent[r][name] = sent[r][name] + residual
+                if self.resolved.prune_where_hosted and r in good:
+                    sent[r] = {name: self._pruned(delta, round_index, r, name)
+                               for name, delta in sent[r].items()}
+                if feedback is not None and r in good:
+                    feedback[r].update({name: x - self.transport.codec.roundtrip(x)
+                                        for name, x in sent[r].items()})
+            return {name: [sent[r][name] for r in order] for name in names}
         payload = {}
         for name in names:
             total = torch.zeros_like(hosted[order[0]][name])
@@ -202,36 +233,55 @@ class OuterSync:
                 if replica not in good:
                     continue
                 delta = hosted[replica][name]
-                if self.resolved.prune_where_hosted and delta.dim() == 2:
+                if self.resolved.prune_where_hosted:
                     # A mean of sparsified Δ_r needs only their sum: prune where hosted.
-                    delta = aggregators.sparsify(
-                        delta, self.outer.sparsity, prune=self.outer.prune,
-                        prune_dim=self.outer.prune_dim, rescale=self.outer.rescale,
-                        generator=self._pruning_generators(round_index, [replica], name)[0])
+                    delta = self._pruned(delta, round_index, replica, name)
                 total += delta
             payload[name] = [total]
         return payload
+
+    def _pruned(self, delta: torch.Tensor, round_index: int, replica: int, name: str
+                ) -> torch.Tensor:
+        """Replica `replica`'s Δ of tensor `name` sparsified as the merge prescribes (matrices
+        only; other tensors as they are)."""
+        if delta.dim() != 2:
+            return delta
+        return aggregators.sparsify(
+            delta, self.outer.sparsity, prune=self.outer.prune, prune_dim=self.outer.prune_dim,
+            rescale=self.outer.rescale,
+            generator=self._pruning_generators(round_index, [replica], name)[0])
 
     # -- merging -------------------------------------------------------------------------------
 
     def _updates(self, contributions: Contributions, good: Sequence[int], round_index: int
                  ) -> dict[str, torch.Tensor]:
         """The outer update u of every tensor in `contributions`: merge, then momentum."""
-        if self.mean_only:
+        if self.sends_sums:
             means = {}
             for name, sources in contributions.items():
                 total = sources[0][0].to(torch.float32, copy=True)
                 for source in sources[1:]:
                     total += source[0]
                 means[name] = total / len(good)
-            directions = (means if self.merge == "mean" else
-                          aggregators.merge_all(self.merge, {n: [m] for n, m in means.items()}))
-        else:
-            # Replica r is payload tensor r % L of rank r // L: ranks host contiguous replicas.
-            per_rank = self.hosted_per_rank
-            gathered = {name: [sources[r // per_rank][r % per_rank].float() for r in good]
-                        for name, sources in contributions.items()}
-            directions = self._merge_gathered(gathered, good, round_index)
+            return self._momentum_updates(self._merged_means(means))
+        # Replica r is payload tensor r % L of rank r // L: ranks host contiguous replicas.
+        per_rank = self.hosted_per_rank
+        gathered = {name: [sources[r // per_rank][r % per_rank].float() for r in good]
+                    for name, sources in contributions.items()}
+        if self.mean_only:  # every replica's (pruned) Δ_r came, not their sums
+            means = {name: torch.stack(deltas).sum(dim=0) / len(good)
+                     for name, deltas in gathered.items()}
+            return self._momentum_updates(self._merged_means(means))
+        return self._momentum_updates(self._merge_gathered(gathered, good, round_index))
+
+    def _merged_means(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The merge of a strategy that needs only the mean Δ of each tensor."""
+        if self.merge == "mean":
+            return means
+        return aggregators.merge_all(self.merge, {n: [m] for n, m in means.items()})
+
+    def _momentum_updates(self, directions: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The outer update u of each tensor from its merged direction (momentum)."""
         return {name: self.optimizer.update(name, g) for name, g in directions.items()}
 
     def _merge_gathered(self, gathered: dict[str, list[torch.Tensor]], good: Sequence[int],

@@ -90,12 +90,16 @@ class Replica:
     optimizer: torch.optim.AdamW
     schedule: torch.optim.lr_scheduler.LambdaLR
     stream: ReplicaStream
+    # outer.error_feedback: what the outer sync's transport lost of this replica's
+    # pseudo-gradients so far, sent with the next one (outer_sync.py); empty when off.
+    feedback: dict[str, torch.Tensor]
 
     def __init__(self, index: int, model: nn.Module, inner: InnerConfig, total_steps: int,
                  stream: ReplicaStream, fused: bool = False) -> None:
         self.index = index
         self.optimizer, self.schedule = make_inner_optimizer(model, inner, total_steps, fused)
         self.stream = stream
+        self.feedback = {}
         self._inner = inner
 
     def run_inner_steps(self, model: nn.Module, runtime: Runtime,
@@ -124,14 +128,19 @@ class Replica:
         return delta, loss if shard is None else shard.mean(loss, runtime.device)
 
     def state_dict(self) -> dict[str, Any]:
-        """AdamW state, LR schedule and stream position: tensors and plain values only. The
+        """AdamW state, LR schedule, stream position and error-feedback residual (if any):
+        tensors and plain values only. The
         position is the count of sequences read this epoch and, to check it on resume, the
         shard file (its name) and row it stands at."""
         shard, row = self.stream.where()
-        return {"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
-                "stream": {"epoch": self.stream.position.epoch,
-                           "sequences": self.stream.position.sequences,
-                           "shard": Path(shard).name, "row": row}}
+        state = {"optimizer": self.optimizer.state_dict(),
+                 "schedule": self.schedule.state_dict(),
+                 "stream": {"epoch": self.stream.position.epoch,
+                            "sequences": self.stream.position.sequences,
+                            "shard": Path(shard).name, "row": row}}
+        if self.feedback:
+            state["feedback"] = dict(self.feedback)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`; the stream continues with its next unseen batch, read from
@@ -139,6 +148,8 @@ class Replica:
         position elsewhere: they changed since the checkpoint)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
+        device = next(iter(self.optimizer.param_groups[0]["params"])).device
+        self.feedback = {name: t.to(device) for name, t in state.get("feedback", {}).items()}
         saved = state["stream"]
         self.stream.seek(StreamPosition(saved["epoch"], saved["sequences"]))
         shard, row = self.stream.where()

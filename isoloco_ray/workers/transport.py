@@ -10,6 +10,9 @@ cost model of collectives.py) and each with its dtype:
 - `from_owners`: each owner broadcasts its tensors' updates, in `comm_dtype`; the owner's own
   values go through the same rounding, so every rank applies the same update.
 
+`comm_dtype` is a codec (codec.py): a cast (float32, bfloat16) or row-wise 8-bit quantisation
+(int8, float8), which arrives dequantised to float32.
+
 A payload maps each tensor's name to the tensors this rank sends for it (one sum, or one Δ_r
 per hosted replica); what arrives is `Contributions`: name -> source rank -> its tensors.
 """
@@ -20,12 +23,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from isoloco_ray.workers.codec import codec_for
 from isoloco_ray.workers.collectives import (Group, TrafficCounter, all_gather_flat,
                                              all_reduce_sum, all_to_all_flat, broadcast_flat,
-                                             buckets, flatten, group_rank, group_size, unflatten)
+                                             buckets, group_rank, group_size)
 from isoloco_ray.workers.outer_plan import OuterPlan
-
-COMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 Payload = Mapping[str, list[torch.Tensor]]
 # name -> (source rank -> that rank's payload tensors of the name)
@@ -38,7 +40,7 @@ class Transport:
     def __init__(self, comm_dtype: str, group: Group = None) -> None:
         self.group = group
         self.ranks, self.rank = group_size(group), group_rank(group)
-        self.comm_dtype = COMM_DTYPES[comm_dtype]
+        self.codec = codec_for(comm_dtype)
         self.traffic = TrafficCounter()
 
     def everything(self, payload: Payload, summed: bool) -> Contributions:
@@ -52,7 +54,7 @@ class Transport:
             return {name: [[total]] for name, total in zip(names, totals)}
         copies = len(next(iter(payload.values())))
         contributions: Contributions = {name: [[] for _ in range(self.ranks)] for name in names}
-        sizes = [copies * payload[n][0].numel() * self.comm_dtype.itemsize for n in names]
+        sizes = [copies * self._bytes(payload[n][0].shape) for n in names]
         for index in buckets(sizes):
             chunk = [names[i] for i in index]
             local = self._pack(payload, chunk)
@@ -63,13 +65,15 @@ class Transport:
     def to_owners(self, payload: Payload, plan: OuterPlan) -> Contributions:
         """Every rank's payload of the tensors this rank owns (all-to-all, bucketed)."""
         copies = len(next(iter(payload.values())))
-        numels = {name: tensors[0].numel() for name, tensors in payload.items()}
+        elements = {name: self.codec.elements(tensors[0].shape)
+                    for name, tensors in payload.items()}
         contributions: Contributions = {name: [[] for _ in range(self.ranks)]
                                         for name in plan.owned[self.rank]}
-        for step in plan.transfer_steps(numels, self.comm_dtype.itemsize, copies):
+        nbytes = {name: n * self.codec.wire_dtype.itemsize for name, n in elements.items()}
+        for step in plan.transfer_steps(nbytes, copies):
             outgoing = [self._pack(payload, names) for names in step]
             mine = step[self.rank]
-            size = copies * sum(numels[name] for name in mine)
+            size = copies * sum(elements[name] for name in mine)
             incoming = all_to_all_flat(outgoing, [size] * self.ranks, self.traffic, self.group)
             for source, flat in enumerate(incoming):
                 self._unpack(flat, payload, mine, contributions, source)
@@ -78,20 +82,22 @@ class Transport:
     def from_owners(self, owned: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
                     plan: OuterPlan) -> dict[str, torch.Tensor]:
         """Every tensor's update, from its owner, on every rank (float32 after the trip)."""
-        numels = {name: p.numel() for name, p in params.items()}
+        elements = {name: self.codec.elements(p.shape) for name, p in params.items()}
         updates = {}
         device = next(iter(params.values())).device
-        for step in plan.transfer_steps(numels, self.comm_dtype.itemsize):
+        nbytes = {name: n * self.codec.wire_dtype.itemsize for name, n in elements.items()}
+        for step in plan.transfer_steps(nbytes):
             for owner, names in enumerate(step):
                 if not names:
                     continue
                 if owner == self.rank:
-                    flat = flatten([owned[name] for name in names], self.comm_dtype, device)
+                    flat = self.codec.encode([owned[name] for name in names], device)
                 else:
-                    flat = torch.empty(sum(numels[n] for n in names), dtype=self.comm_dtype,
-                                       device=device)
+                    flat = torch.empty(sum(elements[n] for n in names),
+                                       dtype=self.codec.wire_dtype, device=device)
                 broadcast_flat(flat, owner, self.traffic, self.group)
-                for name, value in zip(names, unflatten(flat, [params[n].shape for n in names])):
+                decoded = self.codec.decode(flat, [params[n].shape for n in names])
+                for name, value in zip(names, decoded):
                     updates[name] = value.float()
         return updates
 
@@ -99,14 +105,16 @@ class Transport:
         """Bytes received since the last call."""
         return self.traffic.take()
 
+    def _bytes(self, shape: torch.Size) -> int:
+        return self.codec.elements(shape) * self.codec.wire_dtype.itemsize
+
     def _pack(self, payload: Payload, names: Sequence[str]) -> torch.Tensor:
         device = next(iter(payload.values()))[0].device
-        return flatten([t for name in names for t in payload[name]], self.comm_dtype, device)
+        return self.codec.encode([t for name in names for t in payload[name]], device)
 
-    @staticmethod
-    def _unpack(flat: torch.Tensor, payload: Payload, names: Sequence[str],
+    def _unpack(self, flat: torch.Tensor, payload: Payload, names: Sequence[str],
                 into: Contributions, source: int) -> None:
         shapes = [t.shape for name in names for t in payload[name]]
-        views = iter(unflatten(flat, shapes))
+        views = iter(self.codec.decode(flat, shapes))
         for name in names:
             into[name][source] = [next(views) for _ in payload[name]]

@@ -1,0 +1,134 @@
+"""How the outer sync's tensors are written on the wire (`outer.comm_dtype`), and read back.
+
+- `float32`, `bfloat16`: a cast (`CastCodec`); what arrives is the cast values.
+- `int8`, `float8`: row-wise quantisation to one byte per entry plus one float32 scale per
+  row (`RowQuantCodec`). A tensor's rows are its first dimension (a vector is one row). Per
+  row, with a = max |x| (scale s = 1 for an all-zero row):
+    int8:   s = a / 127, q = round(x / s) in [-127, 127],  x̂ = q · s
+    float8: s = a / 448, q = float8_e4m3fn(x / s) (round to nearest even; 448 is e4m3's
+            largest finite value), x̂ = float32(q) · s
+  so the largest entry of a row is exact up to float32 rounding and every row keeps its own
+  range. float8 is a cast in torch on every device (on CPU it is done in software). What
+  arrives is x̂ in float32: merges run on dequantised values, as they run on cast ones.
+
+A codec is pure tensor math (no collectives): `roundtrip(x)` is exactly what the receiver
+decodes, which error feedback (outer_sync.py) needs to know what was lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from isoloco_ray.workers.collectives import flatten, unflatten
+
+CAST_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+QUANTIZED = {"int8": 127.0, "float8": 448.0}  # the largest code of each: a row's max maps here
+_SCALE = torch.float32
+
+
+@dataclass(frozen=True)
+class CastCodec:
+    """Tensors travel cast to `dtype`."""
+
+    dtype: torch.dtype
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def elements(self, shape: torch.Size) -> int:
+        """Elements of `wire_dtype` one tensor of `shape` takes on the wire."""
+        return shape.numel()
+
+    def encode(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The tensors, one after another, as one 1-D wire tensor."""
+        return flatten(tensors, self.dtype, device)
+
+    def decode(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        """Views of `flat` with the given shapes, in the wire dtype (the inverse of encode)."""
+        return unflatten(flat, shapes)
+
+    def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a receiver decodes of `tensor`, in float32."""
+        return tensor.to(self.dtype).float()
+
+
+@dataclass(frozen=True)
+class RowQuantCodec:
+    """Tensors travel as one byte per entry plus one float32 scale per row (bytes on the
+    wire: the codes, then the scales)."""
+
+    kind: str  # "int8" or "float8"
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def elements(self, shape: torch.Size) -> int:
+        return shape.numel() + _rows(shape) * _SCALE.itemsize
+
+    def encode(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        parts = []
+        for tensor in tensors:
+            codes, scales = self.quantize(tensor)
+            parts += [codes.reshape(-1).view(torch.uint8), scales.view(torch.uint8)]
+        if not parts:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        return torch.cat(parts)
+
+    def decode(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        out, offset = [], 0
+        for shape in shapes:
+            count, rows = shape.numel(), _rows(shape)
+            codes = flat[offset: offset + count]
+            scales = flat[offset + count: offset + count + rows * _SCALE.itemsize]
+            # A copy: float32 views need 4-byte-aligned offsets, which codes of odd sizes break.
+            out.append(self.dequantize(codes.view(self._code_dtype).view(rows, -1),
+                                       scales.clone().view(_SCALE)).view(shape))
+            offset += count + rows * _SCALE.itemsize
+        return out
+
+    def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
+        codes, scales = self.quantize(tensor)
+        return self.dequantize(codes, scales).view(tensor.shape)
+
+    def quantize(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes of shape (rows, columns), float32 scale per row)."""
+        rows = tensor.detach().reshape(_rows(tensor.shape), -1).float()
+        top = rows.abs().amax(dim=1)
+        scales = torch.where(top > 0, top / QUANTIZED[self.kind], torch.ones_like(top))
+        scaled = rows / scales[:, None]
+        if self.kind == "int8":
+            codes = scaled.round_().clamp_(-127, 127).to(torch.int8)
+        else:
+            codes = scaled.clamp_(-448, 448).to(torch.float8_e4m3fn)
+        return codes, scales
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """float32 rows of `codes` (rows, columns) times their scales."""
+        return codes.float() * scales[:, None]
+
+    @property
+    def _code_dtype(self) -> torch.dtype:
+        return torch.int8 if self.kind == "int8" else torch.float8_e4m3fn
+
+
+Codec = CastCodec | RowQuantCodec
+
+
+def codec_for(comm_dtype: str) -> Codec:
+    """The codec of an `outer.comm_dtype`."""
+    if comm_dtype in CAST_DTYPES:
+        return CastCodec(CAST_DTYPES[comm_dtype])
+    if comm_dtype in QUANTIZED:
+        return RowQuantCodec(comm_dtype)
+    raise ValueError(f"outer.comm_dtype {comm_dtype!r}: use one of "
+                     f"{', '.join([*CAST_DTYPES, *QUANTIZED])}")
+
+
+def _rows(shape: torch.Size) -> int:
+    """Rows of a tensor of `shape`: its first dimension; a vector or a scalar is one row."""
+    return shape[0] if len(shape) >= 2 else 1
