@@ -257,16 +257,20 @@ class OuterConfig(_Section):
         "owners: bfloat16 halves the bytes; int8 and float8 (e4m3) quarter them, one byte per "
         "entry plus a float32 scale per row (merges still run in float32 or float64 on the "
         "decoded values; all-reduced sums stay float32)")
+    topk: float | None = Field(
+        None, gt=0, lt=1, description="send only this fraction of each row of a "
+        "pseudo-gradient, its largest entries (values in comm_dtype and int32 indices); "
+        "updates stay dense. Best with error_feedback")
     error_feedback: bool = Field(
         False, description="each replica adds what the transport lost of its pseudo-gradient "
-        "last round to this round's before sending it (needs a lossy comm_dtype)")
+        "last round to this round's before sending it (needs a lossy comm_dtype or topk)")
 
     @model_validator(mode="after")
     def _check_error_feedback(self) -> OuterConfig:
-        if self.error_feedback and self.comm_dtype == "float32":
-            raise ValueError("outer.error_feedback corrects what a lossy outer.comm_dtype loses; "
-                             "float32 loses nothing: set outer.comm_dtype to int8, float8 or "
-                             "bfloat16, or turn error_feedback off")
+        if self.error_feedback and self.comm_dtype == "float32" and self.topk is None:
+            raise ValueError("outer.error_feedback corrects what the transport loses, and float32 "
+                             "without outer.topk loses nothing: set outer.comm_dtype to int8, "
+                             "float8 or bfloat16, or outer.topk, or turn error_feedback off")
         if self.error_feedback and self.strategy == "adamw_ddp":
             raise ValueError("outer.error_feedback has no effect with adamw_ddp (it has no outer "
                              "sync): turn it off")

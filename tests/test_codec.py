@@ -70,9 +70,33 @@ def test_cast_codecs_are_the_cast():
 def test_error_feedback_needs_a_lossy_dtype():
     from isoloco_ray.config import load_config
 
-    with pytest.raises(Exception, match="float32 loses nothing"):
+    with pytest.raises(Exception, match="without outer.topk loses nothing"):
         load_config(["--outer.error_feedback=true"])
     with pytest.raises(Exception, match="no effect with adamw_ddp"):
         load_config(["--outer.strategy=adamw_ddp", "--outer.comm_dtype=int8",
                      "--outer.error_feedback=true"])
     assert load_config(["--outer.comm_dtype=float8", "--outer.error_feedback=true"])
+
+
+@pytest.mark.parametrize("values", ["float32", "int8"])
+def test_topk_keeps_each_rows_largest_entries(values):
+    codec = codec_for(values, topk=0.25)
+    x = sample((16, 40))
+    x[3, :] = 1.0  # all tied: the lowest indices are kept
+    kept_values, indices = codec.select(x)
+    assert indices.shape == (16, 10)  # ceil(0.25 * 40) per row
+    for row in range(16):
+        threshold = x[row].abs().sort(descending=True).values[9]
+        assert (x[row, indices[row].long()].abs() >= threshold).all()  # the 10 largest
+    assert indices[3].tolist() == list(range(10))
+    got = codec.roundtrip(x)
+    dropped = torch.ones_like(x, dtype=torch.bool).scatter_(1, indices.long(), False)
+    assert (got[dropped] == 0).all()
+    want = codec_for(values).roundtrip(kept_values)  # the kept values through comm_dtype
+    assert torch.equal(got.gather(1, indices.long()), want)
+    value_bytes, row_bytes = (4, 0) if values == "float32" else (1, 4)
+    flat = codec.encode([x, sample((7,))], torch.device("cpu"))
+    assert flat.numel() == (16 * (10 * (value_bytes + 4) + row_bytes)
+                            + 1 * (2 * (value_bytes + 4) + row_bytes))  # (7,): one row, k = 2
+    decoded = codec.decode(flat, [x.shape, torch.Size((7,))])
+    assert torch.equal(decoded[0], got) and torch.equal(decoded[1], codec.roundtrip(sample((7,))))

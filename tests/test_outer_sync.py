@@ -5,6 +5,7 @@ R = 8 replicas on 4 gloo ranks (2 hosted each), against the same steps in one pr
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
@@ -295,20 +296,24 @@ def test_placement_names_are_checked():
 
 # -- 8-bit transport with error feedback ---------------------------------------------------------
 
-QUANTIZED_RUNS = [(v, p, kind) for v in ("diloco", "isoloco", "tsv")
-                  for p in ("sharded", "replicated") for kind in ("int8", "float8")]
+TOPK = 0.25
+QUANTIZED_RUNS = [(v, p, kind, None) for v in ("diloco", "isoloco", "tsv")
+                  for p in ("sharded", "replicated") for kind in ("int8", "float8")] + [
+                  (v, p, kind, TOPK) for v in ("diloco", "tsv") for p in ("sharded", "replicated")
+                  for kind in ("float32", "int8")]
 
 
-def run_with_feedback(rank: int, world: int, runs: list[tuple[str, str, str]]) -> dict:
-    """Each (variant, placement, comm_dtype) with outer.error_feedback for ROUNDS rounds on
-    this rank's replicas, the residuals held as the Trainer holds them (one dict each)."""
+def run_with_feedback(rank: int, world: int, runs: list[tuple[str, str, str, float | None]]
+                      ) -> dict:
+    """Each (variant, placement, comm_dtype, topk) with outer.error_feedback for ROUNDS rounds
+    on this rank's replicas, the residuals held as the Trainer holds them (one dict each)."""
     hosted_ids = range(rank * REPLICAS // world, (rank + 1) * REPLICAS // world)
     results = {}
-    for variant, placement, comm_dtype in runs:
+    for variant, placement, comm_dtype, topk in runs:
         cfg = load_config((VARIANTS[variant] or [f"--outer.strategy={variant}"]) + [
             f"--scaling.replicas={REPLICAS}", "--scaling.replicas_per_worker=2",
             f"--outer.placement={placement}", f"--outer.comm_dtype={comm_dtype}",
-            "--outer.error_feedback=true"])
+            "--outer.error_feedback=true"] + ([f"--outer.topk={topk}"] if topk else []))
         sync = OuterSync(cfg.outer, REPLICAS, seed=0)
         params = initial_params()
         feedback: dict[int, dict[str, torch.Tensor]] = {r: {} for r in hosted_ids}
@@ -318,18 +323,31 @@ def run_with_feedback(rank: int, world: int, runs: list[tuple[str, str, str]]) -
             stats = sync.step(params, hosted, round_index, feedback=feedback)
             history.append({"params": {n: p.clone() for n, p in params.items()},
                             "bytes": stats.bytes_received, "dropped": stats.dropped})
-        results[variant, placement, comm_dtype] = {
+        results[variant, placement, comm_dtype, topk] = {
             "history": history, "owners": sync.plan({n: torch.Size(s)
                                                      for n, s in SHAPES.items()}).owners,
             "feedback": {r: {n: e.clone() for n, e in fb.items()} for r, fb in feedback.items()}}
     return results
 
 
-def reference_with_feedback(variant: str, comm_dtype: str) -> tuple[list, dict]:
+def reference_with_feedback(variant: str, comm_dtype: str, topk: float | None = None
+                            ) -> tuple[list, dict]:
     """The semantics in plain steps, one process: replica r sends x = Δ_r + e_r, the merge
     sees decode(encode(x)) (float32 otherwise), and e_r becomes x − decode(encode(x)); a
-    dropped replica keeps its e_r."""
+    dropped replica keeps its e_r. With `topk`, decode(encode(x)) keeps each row's largest
+    entries (written here with torch.topk, not the codec)."""
     codec = codec_for(comm_dtype)
+
+    def sent_of(x: torch.Tensor) -> torch.Tensor:
+        if topk is None:
+            return codec.roundtrip(x)
+        rows = x.reshape(x.shape[0] if x.dim() > 1 else 1, -1)
+        k = max(1, math.ceil(topk * rows.shape[1]))
+        kept = rows.abs().topk(k, dim=1).indices
+        dense = torch.zeros_like(rows)
+        dense.scatter_(1, kept, codec.roundtrip(rows.gather(1, kept)))
+        return dense.view(x.shape)
+
     sync = OuterSync(variant_config(variant, "replicated").outer, REPLICAS, seed=0)
     params = initial_params()
     residual = {r: {n: torch.zeros(s) for n, s in SHAPES.items()} for r in range(REPLICAS)}
@@ -342,7 +360,7 @@ def reference_with_feedback(variant: str, comm_dtype: str) -> tuple[list, dict]:
                 sent[r] = delta  # non-finite: left out, its residual kept
                 continue
             x = {n: delta[n] + residual[r][n] for n in SHAPES}
-            sent[r] = {n: codec.roundtrip(x[n]) for n in SHAPES}
+            sent[r] = {n: sent_of(x[n]) for n in SHAPES}
             residual[r] = {n: x[n] - sent[r][n] for n in SHAPES}
         sync.step(params, sent, round_index)
         history.append({n: p.clone() for n, p in params.items()})
@@ -354,14 +372,16 @@ def quantized_four_ranks():
     return in_gloo_group(run_with_feedback, RANKS, QUANTIZED_RUNS)
 
 
-@pytest.mark.parametrize("variant", ["diloco", "isoloco", "tsv"])
-@pytest.mark.parametrize("comm_dtype", ["int8", "float8"])
-def test_quantized_transport_merges_the_decoded_corrected_deltas(quantized_four_ranks, variant,
-                                                                 comm_dtype):
-    want, want_residual = reference_with_feedback(variant, comm_dtype)
+@pytest.mark.parametrize("variant, comm_dtype, topk", sorted({
+    (variant, comm_dtype, topk) for variant, _, comm_dtype, topk in QUANTIZED_RUNS},
+    key=str))
+def test_compressed_transport_merges_the_decoded_corrected_deltas(quantized_four_ranks, variant,
+                                                                  comm_dtype, topk):
+    want, want_residual = reference_with_feedback(variant, comm_dtype, topk)
     start = initial_params()
     for placement in ("sharded", "replicated"):
-        ranks = [result[variant, placement, comm_dtype] for result in quantized_four_ranks]
+        ranks = [result[variant, placement, comm_dtype, topk]
+                 for result in quantized_four_ranks]
         for round_index in range(ROUNDS):
             assert ranks[0]["history"][round_index]["dropped"] == (
                 [DIVERGED[1]] if round_index == DIVERGED[0] else [])
@@ -372,8 +392,8 @@ def test_quantized_transport_merges_the_decoded_corrected_deltas(quantized_four_
                 if placement == "replicated":  # updates never travel: the reference exactly
                     torch.testing.assert_close(got[name], want[round_index][name], rtol=0,
                                                atol=1e-6)
-                else:  # owners send their updates in comm_dtype too
-                    bound = 2e-2 if comm_dtype == "int8" else 1e-1
+                else:  # owners send their updates in comm_dtype too (never sparse)
+                    bound = {"float32": 1e-6, "int8": 2e-2, "float8": 1e-1}[comm_dtype]
                     assert relative_error(got[name], want[round_index][name],
                                           start[name]) < bound
         for rank, result in enumerate(ranks):
@@ -392,11 +412,27 @@ def test_quantized_transport_takes_a_byte_per_entry_and_a_scale_per_row(quantize
     hosted = REPLICAS // RANKS
     for variant in ("diloco", "tsv"):
         for rank, result in enumerate(quantized_four_ranks):
-            replicated = result[variant, "replicated", "int8"]["history"][0]["bytes"]
+            replicated = result[variant, "replicated", "int8", None]["history"][0]["bytes"]
             assert replicated == (RANKS - 1) * hosted * sum(wire.values())  # all-gather
-            run = result[variant, "sharded", "int8"]
+            run = result[variant, "sharded", "int8", None]
             owned = sum(wire[n] for n, owner in run["owners"].items() if owner == rank)
             assert run["history"][0]["bytes"] == (
                 (RANKS - 1) * hosted * owned + sum(wire.values()) - owned)
-            assert result[variant, "sharded", "float8"]["history"][0]["bytes"] == \
+            assert result[variant, "sharded", "float8", None]["history"][0]["bytes"] == \
                 run["history"][0]["bytes"]
+
+
+def test_topk_sends_each_rows_largest_entries_and_their_indices(quantized_four_ranks):
+    def rows_columns(s):  # type: ignore[no-untyped-def]
+        rows = s[0] if len(s) > 1 else 1
+        return rows, torch.Size(s).numel() // rows
+
+    for comm_dtype, value_bytes, row_bytes in (("float32", 4, 0), ("int8", 1, 4)):
+        sparse = {}
+        for name, shape in SHAPES.items():
+            rows, columns = rows_columns(shape)
+            k = math.ceil(TOPK * columns)
+            sparse[name] = rows * (k * (value_bytes + 4) + row_bytes)  # values, int32 indices
+        for result in quantized_four_ranks:
+            replicated = result["tsv", "replicated", comm_dtype, TOPK]["history"][0]["bytes"]
+            assert replicated == (RANKS - 1) * (REPLICAS // RANKS) * sum(sparse.values())

@@ -10,6 +10,9 @@
   so the largest entry of a row is exact up to float32 rounding and every row keeps its own
   range. float8 is a cast in torch on every device (on CPU it is done in software). What
   arrives is x̂ in float32: merges run on dequantised values, as they run on cast ones.
+- `outer.topk = f` (pseudo-gradients only; updates stay dense): each row keeps its
+  ceil(f · columns) entries of largest magnitude, as values (in comm_dtype) and int32 column
+  indices (`TopKCodec`); the rest arrive as zeros.
 
 A codec is pure tensor math (no collectives): `roundtrip(x)` is exactly what the receiver
 decodes, which error feedback (outer_sync.py) needs to know what was lost.
@@ -17,6 +20,7 @@ decodes, which error feedback (outer_sync.py) needs to know what was lost.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +31,7 @@ from isoloco_ray.workers.collectives import flatten, unflatten
 CAST_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZED = {"int8": 127.0, "float8": 448.0}  # the largest code of each: a row's max maps here
 _SCALE = torch.float32
+_INDEX = torch.int32
 
 
 @dataclass(frozen=True)
@@ -116,17 +121,85 @@ class RowQuantCodec:
         return torch.int8 if self.kind == "int8" else torch.float8_e4m3fn
 
 
-Codec = CastCodec | RowQuantCodec
+@dataclass(frozen=True)
+class TopKCodec:
+    """Each row keeps only its k = ceil(fraction · columns) entries of largest magnitude: their
+    values (written by `values`, another codec, as a (rows, k) tensor) and their int32
+    column indices; decoding puts them back among zeros. Ties go to the lower index."""
+
+    fraction: float
+    values: CastCodec | RowQuantCodec
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def kept(self, shape: torch.Size) -> int:
+        """Entries each row keeps."""
+        columns = shape.numel() // _rows(shape)
+        return max(1, min(columns, math.ceil(self.fraction * columns)))
+
+    def elements(self, shape: torch.Size) -> int:
+        rows, k = _rows(shape), self.kept(shape)
+        values = self.values.elements(torch.Size((rows, k))) * self.values.wire_dtype.itemsize
+        return values + rows * k * _INDEX.itemsize
+
+    def encode(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        parts = []
+        for tensor in tensors:
+            values, indices = self.select(tensor)
+            parts += [self.values.encode([values], device).view(torch.uint8),
+                      indices.reshape(-1).view(torch.uint8)]
+        if not parts:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        return torch.cat(parts)
+
+    def decode(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        out, offset = [], 0
+        for shape in shapes:
+            rows, k = _rows(shape), self.kept(shape)
+            kept = torch.Size((rows, k))
+            size = self.values.elements(kept) * self.values.wire_dtype.itemsize
+            # Copies: views of another dtype need aligned offsets.
+            wire = flat[offset: offset + size].clone().view(self.values.wire_dtype)
+            values = self.values.decode(wire, [kept])[0].float()
+            offset += size
+            indices = flat[offset: offset + rows * k * _INDEX.itemsize].clone().view(_INDEX)
+            offset += rows * k * _INDEX.itemsize
+            dense = torch.zeros(rows, shape.numel() // rows, device=flat.device)
+            dense.scatter_(1, indices.view(rows, k).long(), values)
+            out.append(dense.view(shape))
+        return out
+
+    def roundtrip(self, tensor: torch.Tensor) -> torch.Tensor:
+        values, indices = self.select(tensor)
+        dense = torch.zeros(indices.shape[0], tensor.numel() // indices.shape[0],
+                            device=tensor.device)
+        dense.scatter_(1, indices.long(), self.values.roundtrip(values))
+        return dense.view(tensor.shape)
+
+    def select(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the kept values, (rows, k) float32, and their int32 column indices, ascending)."""
+        rows = tensor.detach().reshape(_rows(tensor.shape), -1).float()
+        # A stable sort by magnitude, largest first: equal magnitudes keep the lower index.
+        order = rows.abs().argsort(dim=1, descending=True, stable=True)
+        indices = order[:, :self.kept(tensor.shape)].sort(dim=1).values
+        return rows.gather(1, indices), indices.to(_INDEX)
 
 
-def codec_for(comm_dtype: str) -> Codec:
-    """The codec of an `outer.comm_dtype`."""
+Codec = CastCodec | RowQuantCodec | TopKCodec
+
+
+def codec_for(comm_dtype: str, topk: float | None = None) -> Codec:
+    """The codec of an `outer.comm_dtype` (and `outer.topk`: sparse rows of it)."""
     if comm_dtype in CAST_DTYPES:
-        return CastCodec(CAST_DTYPES[comm_dtype])
-    if comm_dtype in QUANTIZED:
-        return RowQuantCodec(comm_dtype)
-    raise ValueError(f"outer.comm_dtype {comm_dtype!r}: use one of "
-                     f"{', '.join([*CAST_DTYPES, *QUANTIZED])}")
+        codec: CastCodec | RowQuantCodec = CastCodec(CAST_DTYPES[comm_dtype])
+    elif comm_dtype in QUANTIZED:
+        codec = RowQuantCodec(comm_dtype)
+    else:
+        raise ValueError(f"outer.comm_dtype {comm_dtype!r}: use one of "
+                         f"{', '.join([*CAST_DTYPES, *QUANTIZED])}")
+    return codec if topk is None else TopKCodec(topk, codec)
 
 
 def _rows(shape: torch.Size) -> int:

@@ -32,7 +32,7 @@ import torch
 from isoloco_ray import aggregators
 from isoloco_ray.config import OuterConfig
 from isoloco_ray.strategies import OuterMerge
-from isoloco_ray.workers.codec import RowQuantCodec
+from isoloco_ray.workers.codec import CastCodec
 from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
 from isoloco_ray.workers.outer_plan import OuterPlan
 from isoloco_ray.workers.transport import Contributions, Transport
@@ -96,12 +96,12 @@ class OuterSync:
         self.resolved = OuterMerge.of(outer)
         self.merge = self.resolved.merge
         self.mean_only = self.resolved.of_mean  # the merge needs only the mean of the Δ_r
-        self.transport = Transport(outer.comm_dtype, group)
+        self.transport = Transport(outer.comm_dtype, group, outer.topk)
         # Each rank sends the sum of its Δ_r when only their mean is needed and the sum may
         # travel as is; quantised or error-corrected payloads are every replica's own, so
         # what each replica loses to quantisation is its own (and the same in any layout).
         self.sends_sums = self.mean_only and not (
-            self.quantized or outer.error_feedback)
+            self.per_replica_codes or outer.error_feedback)
         self.optimizer = aggregators.OuterOptimizer(
             lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov,
             orthogonalize_update=self.resolved.orthogonalize_update)
@@ -112,9 +112,10 @@ class OuterSync:
         self._plan: OuterPlan | None = None
 
     @property
-    def quantized(self) -> bool:
-        """Whether payloads travel as 8-bit codes (outer.comm_dtype int8 or float8)."""
-        return isinstance(self.transport.codec, RowQuantCodec)
+    def per_replica_codes(self) -> bool:
+        """Whether payloads travel as codes of each row (outer.comm_dtype int8 or float8, or
+        outer.topk), which are every replica's own."""
+        return not isinstance(self.transport.codec, CastCodec)
 
     def plan(self, shapes: Mapping[str, torch.Size]) -> OuterPlan:
         """Owners of the tensors of `shapes` (built on first use; the same every round)."""

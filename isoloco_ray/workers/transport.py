@@ -11,7 +11,8 @@ cost model of collectives.py) and each with its dtype:
   values go through the same rounding, so every rank applies the same update.
 
 `comm_dtype` is a codec (codec.py): a cast (float32, bfloat16) or row-wise 8-bit quantisation
-(int8, float8), which arrives dequantised to float32.
+(int8, float8), which arrives dequantised to float32; with `outer.topk`, payloads travel as
+each row's largest entries only (updates stay dense).
 
 A payload maps each tensor's name to the tensors this rank sends for it (one sum, or one Δ_r
 per hosted replica); what arrives is `Contributions`: name -> source rank -> its tensors.
@@ -37,10 +38,12 @@ Contributions = dict[str, list[list[torch.Tensor]]]
 class Transport:
     """The outer group's collectives for payloads and updates, with the bytes they move."""
 
-    def __init__(self, comm_dtype: str, group: Group = None) -> None:
+    def __init__(self, comm_dtype: str, group: Group = None, topk: float | None = None
+                 ) -> None:
         self.group = group
         self.ranks, self.rank = group_size(group), group_rank(group)
-        self.codec = codec_for(comm_dtype)
+        self.codec = codec_for(comm_dtype, topk)  # payloads
+        self.update_codec = codec_for(comm_dtype)  # updates: dense whatever topk says
         self.traffic = TrafficCounter()
 
     def everything(self, payload: Payload, summed: bool) -> Contributions:
@@ -82,21 +85,21 @@ class Transport:
     def from_owners(self, owned: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor],
                     plan: OuterPlan) -> dict[str, torch.Tensor]:
         """Every tensor's update, from its owner, on every rank (float32 after the trip)."""
-        elements = {name: self.codec.elements(p.shape) for name, p in params.items()}
+        elements = {name: self.update_codec.elements(p.shape) for name, p in params.items()}
         updates = {}
         device = next(iter(params.values())).device
-        nbytes = {name: n * self.codec.wire_dtype.itemsize for name, n in elements.items()}
+        nbytes = {name: n * self.update_codec.wire_dtype.itemsize for name, n in elements.items()}
         for step in plan.transfer_steps(nbytes):
             for owner, names in enumerate(step):
                 if not names:
                     continue
                 if owner == self.rank:
-                    flat = self.codec.encode([owned[name] for name in names], device)
+                    flat = self.update_codec.encode([owned[name] for name in names], device)
                 else:
                     flat = torch.empty(sum(elements[n] for n in names),
-                                       dtype=self.codec.wire_dtype, device=device)
+                                       dtype=self.update_codec.wire_dtype, device=device)
                 broadcast_flat(flat, owner, self.traffic, self.group)
-                decoded = self.codec.decode(flat, [params[n].shape for n in names])
+                decoded = self.update_codec.decode(flat, [params[n].shape for n in names])
                 for name, value in zip(names, decoded):
                     updates[name] = value.float()
         return updates
