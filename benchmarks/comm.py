@@ -17,7 +17,9 @@ they are reported as multiples of P, the model's float32 bytes, and scaled to th
   every payload, (W-1)·c·P.
 - int8 / float8 (one byte per entry and a float32 scale per row): every replica's Δ_r is
   quantised on its own, for mean-only strategies too (c = L), so that what it loses is its
-  own (error feedback); about (W-1)·L·o·P/4 + (1-o)·P/4 through the owners.
+  own (error feedback); about (W-1)·L·o·P/4 + (1-o)·P/4 through the owners. "int8 top0.1"
+  (outer.topk = 0.1) sends a tenth of each row, values in int8 and int32 indices: about
+  (W-1)·L·o·P/8 for the payloads, updates dense in int8.
 
 The baseline is the naive all-gather of every replica's Δ to every rank: (W-1)·L·P.
 
@@ -61,7 +63,8 @@ MERGE_RANKS = 4  # part 2's outer group
 STRATEGIES = tuple(name for name, spec in STRATEGY_SPECS.items() if spec.has_outer_step)
 # Part 1's (placement, comm_dtype) rows.
 TRANSPORTS = (("sharded", "float32"), ("sharded", "bfloat16"), ("sharded", "int8"),
-              ("sharded", "float8"), ("rank0", "float32"), ("replicated", "float32"))
+              ("sharded", "float8"), ("sharded", "int8 top0.1"), ("rank0", "float32"),
+              ("replicated", "float32"))
 TARGET_RANKS = 4
 TARGETS = {"mean-only": 1 / 3, "per-replica": 1 / 2}  # busiest / baseline at W = 4
 MERGE_TARGET = 1 / 2  # sharded / replicated, busiest rank's merge seconds
@@ -75,12 +78,15 @@ LAYERS = MODELS["178M"]["layers"]
 
 def outer_config(strategy: str, placement: str, comm_dtype: str = "float32"
                  ) -> OuterConfig:
-    """The outer section of a run of `strategy` at R = 8 (the strategy's defaults)."""
+    """The outer section of a run of `strategy` at R = 8 (the strategy's defaults);
+    `comm_dtype` "DTYPE topF" adds outer.topk = F."""
+    dtype, _, topk = comm_dtype.partition(" top")
     return load_config([f"--outer.strategy={strategy}",
                         f"--outer.placement={placement}",
-                        f"--outer.comm_dtype={comm_dtype}",
+                        f"--outer.comm_dtype={dtype}",
                         f"--scaling.replicas={REPLICAS}",
-                        "--scaling.replicas_per_worker=2"]).outer
+                        "--scaling.replicas_per_worker=2"]
+                       + ([f"--outer.topk={topk}"] if topk else [])).outer
 
 
 def kind(strategy: str) -> str:

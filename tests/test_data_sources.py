@@ -197,8 +197,10 @@ def _same_files(a: Path, b: Path) -> None:
 def test_ray_engine_writes_the_local_engines_bytes(ray_cluster: None, corpus: tuple[Path, Path],
                                                    tmp_path: Path) -> None:
     root, reference = corpus
-    src = sources.open_source(str(root))
-    corpus_pipeline.prepare_corpus(src, tmp_path / "ds", settings(src), engine="ray", workers=2)
+    args = ["--source", str(root), "--tokenizer", "train-bpe:300", "--out", str(tmp_path / "ds"),
+            "--block-len", "32", "--shard-blocks", "8", "--seed", "1", "--valid-fraction", "0.1",
+            "--test-fraction", "0.1", "--engine", "ray", "--workers", "2", "--quiet"]
+    assert prepare.main(args) == 0
     _same_files(reference, tmp_path / "ds")  # shards, meta.json and tokenizer, byte for byte
 
 

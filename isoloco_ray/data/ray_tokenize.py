@@ -146,11 +146,11 @@ def ray_tokenized_batches(source: TextSource, file: int, skip: int, tokenizer_js
         # A source smaller than one block per actor leaves actors idle, which is no concern.
         warnings.filterwarnings("ignore", message="The minimum number of concurrent actors")
         for table in _tables_or_data_error(tables):
-            tokens = table[TOKENS_COLUMN].combine_chunks()
-            if isinstance(tokens, pa.ChunkedArray):  # an empty table
+            if table.num_rows == 0:
                 continue
+            tokens = table[TOKENS_COLUMN].combine_chunks()
             yield TokenizedBatch(tokens.flatten().to_numpy(),
-                                 tokens.value_lengths().to_numpy().astype(np.int64),
+                                 np.asarray(tokens.value_lengths(), dtype=np.int64),
                                  table[FILE_COLUMN].to_numpy())
 
 
