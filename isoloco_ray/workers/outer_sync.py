@@ -159,8 +159,8 @@ class OuterSync:
         every rank alike, and the merge uses the others (the mean divides by their number).
         With none left the round is skipped: parameters and momentum stay as they were.
         `feedback` (outer.error_feedback): each hosted replica's residual, added to its Δ_r
-        before it is sent and replaced by what the transport loses of the sum (see
-        `_payload`); a dropped replica's is kept as it was.
+        before it is sent and replaced by what the transport loses of that (see `_payload`);
+        a dropped replica's is kept as it was.
         """
         stats = OuterStepStats()
         good = self._good_replicas(hosted, diverged)
