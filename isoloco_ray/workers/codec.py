@@ -76,13 +76,7 @@ class RowQuantCodec:
         return shape.numel() + _rows(shape) * _SCALE.itemsize
 
     def encode(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-        parts = []
-        for tensor in tensors:
-            codes, scales = self.quantize(tensor)
-            parts += [codes.reshape(-1).view(torch.uint8), scales.view(torch.uint8)]
-        if not parts:
-            return torch.empty(0, dtype=torch.uint8, device=device)
-        return torch.cat(parts)
+        return _concat_bytes([part for t in tensors for part in self.quantize(t)], device)
 
     def decode(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
         out, offset = [], 0
@@ -148,11 +142,8 @@ class TopKCodec:
         parts = []
         for tensor in tensors:
             values, indices = self.select(tensor)
-            parts += [self.values.encode([values], device).view(torch.uint8),
-                      indices.reshape(-1).view(torch.uint8)]
-        if not parts:
-            return torch.empty(0, dtype=torch.uint8, device=device)
-        return torch.cat(parts)
+            parts += [self.values.encode([values], device), indices]
+        return _concat_bytes(parts, device)
 
     def decode(self, flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
         out, offset = [], 0
@@ -200,6 +191,13 @@ def codec_for(comm_dtype: str, topk: float | None = None) -> Codec:
         raise ValueError(f"outer.comm_dtype {comm_dtype!r}: use one of "
                          f"{', '.join([*CAST_DTYPES, *QUANTIZED])}")
     return codec if topk is None else TopKCodec(topk, codec)
+
+
+def _concat_bytes(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The bytes of `parts`, one after another, as a 1-D uint8 tensor."""
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.cat([part.reshape(-1).view(torch.uint8) for part in parts])
 
 
 def _rows(shape: torch.Size) -> int:
