@@ -246,9 +246,11 @@ def test_read_tasks_group_consecutive_files(tmp_path: Path) -> None:
     for i, size in enumerate([10, 10, 10, 50, 5, 5]):
         files.append(tmp_path / f"{i}.txt")
         files[-1].write_bytes(b"x" * size)
-    assert read_task_files(files, 0, task_bytes=20) == [[0, 1], [2, 3], [4, 5]]
-    assert read_task_files(files, 3, task_bytes=20) == [[3], [4, 5]]
-    assert read_task_files(files, 6, task_bytes=20) == []
+    sizes = sources.open_source(str(tmp_path)).file_bytes
+    assert sizes == (10, 10, 10, 50, 5, 5)
+    assert read_task_files(sizes, 0, task_bytes=20) == [[0, 1], [2, 3], [4, 5]]
+    assert read_task_files(sizes, 3, task_bytes=20) == [[3], [4, 5]]
+    assert read_task_files(sizes, 6, task_bytes=20) == []
 
 
 def test_progress_bar_shows_rate_and_files(corpus: tuple[Path, Path], tmp_path: Path,

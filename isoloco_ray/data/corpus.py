@@ -456,7 +456,8 @@ class _ProgressBar:
     def __init__(self, run: _Run, source: TextSource, enabled: bool) -> None:
         from tqdm import tqdm
 
-        self._file_bytes = [f.stat().st_size for f in source.files]
+        # Bytes of the source files before each one, and of them all (the last entry).
+        self._bytes_before = list(itertools.accumulate(source.file_bytes, initial=0))
         self._target = run.settings.total_tokens
         self._bar = tqdm(total=self._target, initial=run.tokens("train"), unit="tok",
                          unit_scale=True, disable=not enabled, desc="train tokens",
@@ -464,13 +465,13 @@ class _ProgressBar:
 
     def update(self, run: _Run) -> None:
         train = run.tokens("train")
-        if self._file_bytes and run.file_documents:
+        files = len(self._bytes_before) - 1
+        if files and run.file_documents:
             files_read = len(run.file_documents) - 1  # the last one may go on
-            self._bar.set_postfix_str(f"file {files_read + 1}/{len(self._file_bytes)}",
-                                      refresh=False)
-            read = sum(self._file_bytes[:files_read])
+            self._bar.set_postfix_str(f"file {files_read + 1}/{files}", refresh=False)
+            read = self._bytes_before[files_read]
             if self._target is None and read:
-                self._bar.total = round(train * sum(self._file_bytes) / read)
+                self._bar.total = round(train * self._bytes_before[-1] / read)
         self._bar.update(train - self._bar.n)
 
     def close(self) -> None:

@@ -48,19 +48,19 @@ TASK_BYTES = 64 << 20  # source files are grouped into read tasks of about this 
 FILE_COLUMN, TEXT_COLUMN, TOKENS_COLUMN = "file", "text", "tokens"
 
 
-def read_task_files(files: Sequence[Path], first: int,
+def read_task_files(file_bytes: Sequence[int], first: int,
                     task_bytes: int = TASK_BYTES) -> list[list[int]]:
-    """The indices of ``files[first:]`` cut into runs of consecutive files of about
-    ``task_bytes`` each (one read task each): many small files share a task, a large one has
-    its own."""
+    """The indices of the files from ``first`` on (of ``file_bytes`` bytes each) cut into runs
+    of consecutive files of about ``task_bytes`` each (one read task each): many small files
+    share a task, a large one has its own."""
     tasks: list[list[int]] = []
     size = 0
-    for index in range(first, len(files)):
+    for index in range(first, len(file_bytes)):
         if not tasks or size >= task_bytes:
             tasks.append([])
             size = 0
         tasks[-1].append(index)
-        size += files[index].stat().st_size
+        size += file_bytes[index]
     return tasks
 
 
@@ -124,7 +124,7 @@ def ray_tokenized_batches(source: TextSource, file: int, skip: int, tokenizer_js
                           workers: int) -> Iterator[TokenizedBatch]:
     """The documents of ``source`` from document ``skip`` of file ``file`` on, tokenized by
     ``workers`` actors (one CPU each) and yielded in source order."""
-    tasks = read_task_files(source.files, file)
+    tasks = read_task_files(source.file_bytes, file)
     if not tasks:
         return
     context = ray.data.DataContext.get_current()
@@ -133,7 +133,7 @@ def ray_tokenized_batches(source: TextSource, file: int, skip: int, tokenizer_js
     # whole run of files as one block, to one actor, and the driver would wait for all of it.
     context.target_max_block_size = BLOCK_BYTES
     dataset = ray.data.read_datasource(
-        TextFilesSource(source.files, tasks, skip, source.text_field),
+        TextFilesSource(source.files, source.file_bytes, tasks, skip, source.text_field),
         override_num_blocks=len(tasks), num_cpus=0)  # reading is light; CPUs go to the actors
     tokenized = dataset.map_batches(
         _Tokenize, fn_constructor_args=(tokenizer_json, eos_id, bos_id),
@@ -170,23 +170,24 @@ def _tables_or_data_error(tables: Iterator[pa.Table]) -> Iterator[pa.Table]:
 class TextFilesSource(Datasource):
     """The documents of source files, one read task per run of files (``read_task_files``)."""
 
-    def __init__(self, files: Sequence[Path], tasks: list[list[int]], skip: int,
-                 text_field: str) -> None:
+    def __init__(self, files: Sequence[Path], file_bytes: Sequence[int], tasks: list[list[int]],
+                 skip: int, text_field: str) -> None:
         super().__init__()
         self._files, self._tasks = list(files), tasks
+        self._task_bytes = [sum(file_bytes[i] for i in task) for task in tasks]
         self._skip, self._text_field = skip, text_field
 
     def estimate_inmemory_data_size(self) -> int:
-        return sum(self._files[i].stat().st_size for task in self._tasks for i in task)
+        return sum(self._task_bytes)
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
                        data_context: Any = None) -> list[ReadTask]:
         """The planned tasks, whatever ``parallelism``: their order is the documents' order."""
         read_tasks = []
-        for n, indices in enumerate(self._tasks):
+        for n, (indices, size) in enumerate(zip(self._tasks, self._task_bytes)):
             metadata = BlockMetadata(
                 num_rows=None, exec_stats=None, input_files=[str(self._files[i]) for i in indices],
-                size_bytes=sum(self._files[i].stat().st_size for i in indices))
+                size_bytes=size)
             read = functools.partial(read_documents, self._files, indices,
                                      self._skip if n == 0 else 0, self._text_field)
             read_tasks.append(ReadTask(read, metadata))

@@ -20,6 +20,7 @@ uint16 streams) for ``prepare --from-npy``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -50,6 +51,11 @@ class TextSource:
     documents: Callable[[], Iterator[str]]
     files: tuple[Path, ...] = ()
     text_field: str = "text"
+
+    @functools.cached_property
+    def file_bytes(self) -> tuple[int, ...]:
+        """The size of each of ``files``, read once (progress, read-task planning)."""
+        return tuple(f.stat().st_size for f in self.files)
 
     def documents_from(self, file: int, skip: int) -> Iterator[tuple[int, str]]:
         """(file index, document) for every document from the ``skip``-th of file ``file`` on
