@@ -265,6 +265,24 @@ class OuterConfig(_Section):
         False, description="each replica adds what the transport lost of its pseudo-gradient "
         "last round to this round's before sending it (needs a lossy comm_dtype or topk)")
 
+    fragments: int = Field(
+        1, ge=1, description="streaming: split the parameters into this many fragments of whole "
+        "transformer layers, balanced by size, each synced every inner.steps, staggered by "
+        "inner.steps / fragments (which must be whole)")
+    delay: int = Field(
+        0, ge=0, description="inner steps a fragment's sync overlaps with training: its "
+        "pseudo-gradient is sent and merged in the background and the update lands this many "
+        "steps later (less than inner.steps / fragments)")
+    mix: float = Field(
+        0.0, ge=0, lt=1, description="where a fragment's update lands, each replica keeps "
+        "mix·local + (1 − mix)·global of it (0: takes the global, as DiLoCo)")
+
+    @property
+    def streaming(self) -> bool:
+        """Whether replicas keep parameters of their own between syncs (fragments, delay or
+        mix): then they are part of a checkpoint."""
+        return self.fragments > 1 or self.delay > 0 or self.mix > 0
+
     @model_validator(mode="after")
     def _check_error_feedback(self) -> OuterConfig:
         if self.error_feedback and self.comm_dtype == "float32" and self.topk is None:
@@ -364,6 +382,7 @@ class TrainConfig(_Section):
             if value is not None and value != only:
                 raise ValueError(f"outer.{option} must be {only!r} for outer.strategy "
                                  f"'{spec.name}' (got {value!r}): {instead}")
+        self._check_streaming()
         if self.inner.lr is None:
             self.inner.lr = preset["inner_lr"]
         if self.inner.weight_decay is None:
@@ -406,6 +425,23 @@ class TrainConfig(_Section):
                 f"model.max_seq_len ({self.model.max_seq_len}); lower data.seq_len or raise "
                 f"model.max_seq_len")
         return self
+
+    def _check_streaming(self) -> None:
+        outer, steps = self.outer, self.inner.steps
+        if outer.streaming and outer.strategy == "adamw_ddp":
+            raise ValueError("outer.fragments, outer.delay and outer.mix shape the outer sync, "
+                             "and adamw_ddp has none: leave them at 1, 0 and 0")
+        if steps % outer.fragments:
+            raise ValueError(f"outer.fragments ({outer.fragments}) must divide inner.steps "
+                             f"({steps}): fragment p syncs p·inner.steps/fragments steps after "
+                             "fragment 0")
+        if outer.delay >= steps // outer.fragments:
+            raise ValueError(f"outer.delay ({outer.delay}) must be less than inner.steps / "
+                             f"outer.fragments ({steps // outer.fragments}): a fragment's "
+                             "update must land before the next fragment's sync starts")
+        if outer.fragments > self.model.num_layers:
+            raise ValueError(f"outer.fragments ({outer.fragments}) exceeds model.num_layers "
+                             f"({self.model.num_layers}): a fragment is whole layers")
 
     @property
     def tokens_per_round(self) -> int:
@@ -632,8 +668,12 @@ def config_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]
     """Fields (`section.field`) in which a saved resolved config differs from `current` and
     that a resumed run must not change."""
     now = current.model_dump(mode="json")
+    # A setting added since the checkpoint was written is missing from it: the run had its
+    # default then.
+    defaults = TrainConfig.model_construct().model_dump(mode="json")
     differing = [f"{section}.{key}" for section in RESUME_MUST_MATCH for key in now[section]
-                 if saved.get(section, {}).get(key) != now[section][key]
+                 if saved.get(section, {}).get(key, defaults[section].get(key))
+                 != now[section][key]
                  and f"{section}.{key}" not in RESUME_MAY_CHANGE]
     return differing + [f"run.{key}" for key in ("rounds", "seed")
                         if saved.get("run", {}).get(key) != now["run"][key]]

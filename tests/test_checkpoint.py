@@ -200,11 +200,14 @@ def poison_replicas(monkeypatch, bad: set[int]):
     original = Replica.run_inner_steps
 
     def run_inner_steps(self, *args, **kwargs):
-        delta, loss = original(self, *args, **kwargs)
+        losses = original(self, *args, **kwargs)
         if self.index in bad:
-            delta = {k: torch.full_like(v, math.nan) for k, v in delta.items()}
-            loss = math.nan
-        return delta, loss
+            with torch.no_grad():
+                for p in self.params.values():
+                    p.fill_(math.nan)
+            self.losses_finite = False
+            losses = [torch.full_like(loss, math.nan) for loss in losses]
+        return losses
 
     monkeypatch.setattr(Replica, "run_inner_steps", run_inner_steps)
 

@@ -58,11 +58,16 @@ class WorkerLayout:
     workers_per_replica: int  # G
     shard: ReplicaShard | None  # None when a replica has a worker to itself (G = 1)
     outer_group: Group  # None: the default group (G = 1)
+    # The same ranks as outer_group in a group of their own, for an outer sync that runs in
+    # the background (outer.delay > 0) while the training thread uses outer_group.
+    sync_group: Group
 
     @classmethod
-    def create(cls, scaling: ScalingConfig, rank: int, world: int) -> WorkerLayout:
-        """The layout of worker `rank`; with G > 1 this builds the process groups, so every
-        rank must call it, in the same order relative to other collectives."""
+    def create(cls, scaling: ScalingConfig, rank: int, world: int,
+               background_sync: bool = False) -> WorkerLayout:
+        """The layout of worker `rank`; with G > 1 or `background_sync` this builds process
+        groups, so every rank must call it, in the same order relative to other
+        collectives."""
         if world not in scaling.worker_counts:
             raise ValueError(f"the run has {world} workers but the scaling section allows "
                              f"{scaling.worker_counts} (R·G/V, or from scaling.min_workers)")
@@ -75,8 +80,12 @@ class WorkerLayout:
             outer_group, _ = dist.new_subgroups_by_enumeration(
                 [list(range(p, world, per_replica)) for p in range(per_replica)])
             shard = ReplicaShard(rank % per_replica, per_replica, replica_group)
+        sync_group = outer_group
+        if background_sync and dist.is_available() and dist.is_initialized():
+            sync_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(p, world, per_replica)) for p in range(per_replica)])
         return cls(rank, world, scaling.replicas_per_worker_at(world), per_replica, shard,
-                   outer_group)
+                   outer_group, sync_group)
 
     @property
     def position(self) -> int:

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,11 @@ from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_scalars,
                                              all_gather_strings, all_reduce_scalars,
                                              all_reduce_sum)
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
+from isoloco_ray.workers.fragments import round_events, split_fragments
 from isoloco_ray.workers.layout import WorkerLayout, placement_warning
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
 from isoloco_ray.workers.outer_sync import OuterStepStats, OuterSync
+from isoloco_ray.workers.overlap import Background
 from isoloco_ray.workers.replica import (Replica, inner_step, load_parameters,
                                          make_inner_optimizer, snapshot_parameters)
 
@@ -65,8 +68,12 @@ class Trainer:
     layout: WorkerLayout  # hosted replicas and process groups (not state: rebuilt at start)
     model: nn.Module  # scratch module the hosted replicas take turns in
     global_params: dict[str, torch.Tensor]  # θ_t, identical on every worker
-    replicas: list[Replica]  # the replicas this worker hosts (their AdamW, schedule, stream)
+    replicas: list[Replica]  # the replicas this worker hosts (their θ_r, AdamW, stream, ...)
     outer: OuterSync  # outer optimizer (the momentum buffers of the tensors this rank owns)
+    # outer.fragments: the tensors synced together (one fragment: all), and the syncs started
+    # but not landed (none at a round's end, where checkpoints are taken: fragments.py).
+    fragments: list[tuple[str, ...]]
+    in_flight: dict[int, Future[OuterStepStats] | OuterStepStats]
     # adamw_ddp: its one AdamW and LR schedule over the global model, alike on every rank (the
     # replicas then only supply batches); None for the DiLoCo strategies.
     data_parallel: tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR] | None
@@ -81,7 +88,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, data_dir: Path, env: WorkerEnv) -> None:
         self.cfg = cfg
         self.env = env
-        self.layout = WorkerLayout.create(cfg.scaling, env.rank, env.world)
+        self.layout = WorkerLayout.create(cfg.scaling, env.rank, env.world,
+                                          background_sync=cfg.outer.delay > 0)
         meta = DatasetMeta.load(data_dir)
         self.model = build_model(cfg.model, meta.vocab_size, cfg.run.seed).to(env.device)
         self.runtime = Runtime.create(self.model, env.device, cfg.run.autocast, cfg.run.compile)
@@ -93,11 +101,18 @@ class Trainer:
                     ReplicaStream(replica_share(data_dir, r, cfg.scaling.replicas),
                                   env.read_rows, cfg.data.seq_len, cfg.data.batch_size,
                                   vocab_size=self.model.config.vocab_size),
-                    fused=fused)
+                    # Evaluations load the global parameters into the model: a replica's own
+                    # live there only while they equal the global ones at a round's end.
+                    fused=fused, in_model=len(self.layout.hosted) == 1 and not cfg.outer.streaming,
+                    keeps_params=cfg.outer.streaming)
             for r in self.layout.hosted
         ]
         self.outer = OuterSync(cfg.outer, cfg.scaling.replicas, cfg.run.seed,
-                               self.layout.outer_group)
+                               self.layout.sync_group)
+        self.fragments = split_fragments({n: p.shape for n, p in self.global_params.items()},
+                                         cfg.outer.fragments)
+        self.in_flight = {}
+        self.background = Background(env.device) if cfg.outer.delay > 0 else None
         self.data_parallel = (make_inner_optimizer(self.model, cfg.inner, total_steps, fused)
                               if cfg.outer.strategy == "adamw_ddp" else None)
         self.round = 0
@@ -147,12 +162,14 @@ class Trainer:
         # In the model's order (safetensors returns names sorted): merges visit tensors in it.
         self.global_params = {name: params[name].to(self.env.device)
                               for name in self.global_params}
-        self.outer.load_state_dict(outer_state, {n: p.shape for n, p in params.items()})
+        self.outer.load_state_dict(outer_state, {n: p.shape for n, p in params.items()},
+                                   self.fragments)
         for name, value in checkpoint.read_counters(state, directory / checkpoint.STATE_FILE
                                                     ).items():
             setattr(self, name, value)
         for replica in self.replicas:
-            replica.load_state_dict(checkpoint.load_replica(directory, replica.index))
+            replica.load_state_dict(checkpoint.load_replica(directory, replica.index),
+                                    self.global_params)
         if self.data_parallel is not None:
             saved = checkpoint.load_data_parallel(directory)
             optimizer, schedule = self.data_parallel
@@ -194,36 +211,114 @@ class Trainer:
         return loss
 
     def diloco_round(self) -> tuple[float, float, OuterStepStats]:
-        """H inner steps on every hosted replica, then the outer step.
+        """H inner steps on every hosted replica, and the syncs of the round's fragments
+        (fragments.round_events; with one fragment and no delay: the outer step at the end).
 
         Returns (sum of the finite replicas' mean losses on this rank, counted by the first
-        worker of each replica only, inner seconds, stats).
+        worker of each replica only, inner seconds, the round's syncs' stats together).
         """
-        started = time.perf_counter()
-        deltas, losses = {}, {}
+        steps = self.cfg.inner.steps
+        stats = OuterStepStats()
+        losses: dict[int, list[torch.Tensor]] = {r.index: [] for r in self.replicas}
+        inner_seconds, done, checked = 0.0, 0, False
         data_error = None
+        try:
+            for event in round_events(self.round, self.cfg.run.rounds, steps,
+                                      self.cfg.outer.fragments, self.cfg.outer.delay):
+                if event.step > done:
+                    seconds, data_error = self._inner_steps(event.step - done, losses,
+                                                            event.step == steps, data_error)
+                    inner_seconds += seconds
+                    done, checked = event.step, False
+                if event.starts:
+                    # Every rank stops together before a sync when any rank's data failed.
+                    self.stop_if_any_rank_failed(data_error)
+                    checked = True
+                    self._start_sync(event.fragment, event.sync_round)
+                else:
+                    stats.add(self._finish_sync(event.fragment))
+            if done < steps:
+                seconds, data_error = self._inner_steps(steps - done, losses, True, data_error)
+                inner_seconds += seconds
+                checked = False
+            if not checked:
+                self.stop_if_any_rank_failed(data_error)
+        finally:
+            self._wait_for_syncs()
+        counted = self.layout.position == 0
+        total = 0.0
         for replica in self.replicas:
+            loss = torch.stack(losses[replica.index]).mean().item()
+            if self.layout.shard is not None:
+                loss = self.layout.shard.mean(loss, self.env.device)
+            if replica.index not in stats.dropped and counted:
+                total += loss
+        return total, inner_seconds, stats
+
+    def _inner_steps(self, steps: int, losses: dict[int, list[torch.Tensor]], ends_round: bool,
+                     data_error: str | None) -> tuple[float, str | None]:
+        """`steps` inner steps of every hosted replica, in turn; after a data error, none (the
+        ranks stop together at the next check). Returns (seconds, the data error if any)."""
+        started = time.perf_counter()
+        for replica in self.replicas:
+            if data_error is not None:
+                break
             try:
-                deltas[replica.index], losses[replica.index] = replica.run_inner_steps(
-                    self.model, self.runtime, self.global_params, self.cfg.inner.steps,
-                    self.cfg.data.micro_batch_size, self.layout.shard)
+                losses[replica.index] += replica.run_inner_steps(
+                    self.model, self.runtime, steps, self.cfg.data.micro_batch_size,
+                    self.layout.shard)
             except DataError as exc:  # a replica's G workers read the same rows: all stop
                 data_error = str(exc)
                 break
-            if self.env.after_replica is not None:
+            if ends_round and self.env.after_replica is not None:
                 self.env.after_replica(self.round, replica.index)
-        self.stop_if_any_rank_failed(data_error)
-        inner_seconds = time.perf_counter() - started
-        diverged = [r for r, loss in losses.items() if not math.isfinite(loss)]
-        feedback = ({r.index: r.feedback for r in self.replicas}
-                    if self.cfg.outer.error_feedback else None)
-        stats = self.outer.step(self.global_params, deltas, self.round, diverged, feedback)
+        return time.perf_counter() - started, data_error
+
+    def _start_sync(self, fragment: int, sync_round: int) -> None:
+        """Take the hosted replicas' Δ_r of `fragment` and start its outer step: at once, or
+        in the background with outer.delay."""
+        outer = self.cfg.outer
+        names = self.fragments[fragment]
+        diverged = [r.index for r in self.replicas if not r.losses_finite]
+        for replica in self.replicas:
+            replica.losses_finite = True
+        # Without delay or mix, θ_r of the fragment is replaced by the global one right after
+        # the step: its storage can hold Δ_r meanwhile.
+        in_place = outer.delay == 0 and outer.mix == 0
+        deltas = {r.index: r.pseudo_gradient(self.global_params, names, in_place)
+                  for r in self.replicas}
+        feedback = {r.index: r.feedback for r in self.replicas} if outer.error_feedback else None
+        target = {name: self.global_params[name] for name in names}
+
+        def step() -> OuterStepStats:
+            return self.outer.step(target, deltas, sync_round, diverged, feedback)
+
+        self.in_flight[fragment] = (step() if self.background is None
+                                    else self.background.start(step))
+
+    def _finish_sync(self, fragment: int) -> OuterStepStats:
+        """Land `fragment`'s sync: its global tensors hold the new values; each replica takes
+        them (mixed with its own by outer.mix), or starts again from the global parameters if
+        it was left out."""
+        waiting = time.perf_counter()
+        pending = self.in_flight.pop(fragment)
+        stats = pending if self.background is None else self.background.finish(pending)
         for replica in self.replicas:
             if replica.index in stats.dropped:
-                replica.reset_optimizer()
-        counted = self.layout.position == 0
-        return sum(loss for r, loss in losses.items() if r not in stats.dropped and counted), \
-            inner_seconds, stats
+                replica.reset(self.global_params)
+            else:
+                replica.take_global(self.global_params, self.fragments[fragment],
+                                    self.cfg.outer.mix)
+        stats.wait_seconds = time.perf_counter() - waiting
+        return stats
+
+    def _wait_for_syncs(self) -> None:
+        """Let syncs still running end (the round stopped early: every rank started them, so
+        they complete), without landing them."""
+        for pending in self.in_flight.values():
+            if isinstance(pending, Future):
+                pending.exception()
+        self.in_flight.clear()
 
     def data_parallel_round(self) -> tuple[float, float, OuterStepStats]:
         """adamw_ddp: H data-parallel AdamW steps on the global model, gradients averaged over
@@ -294,6 +389,8 @@ class Trainer:
         finally:
             for replica in self.replicas:
                 replica.stream.close()
+            if self.background is not None:
+                self.background.close()
         load_parameters(self.model, self.global_params)
         return self.summary()
 
@@ -326,7 +423,8 @@ class Trainer:
             (loss_sum,) = all_reduce_scalars([loss_sum], env.device)
             # Per rank: the outer sync's load differs between ranks (owners, rank0).
             by_rank = all_gather_scalars(
-                [stats.bytes_received, stats.comm_seconds, stats.merge_seconds], env.device)
+                [stats.bytes_received, stats.comm_seconds, stats.merge_seconds,
+                 stats.wait_seconds], env.device)
             bytes_by_rank = [int(values[0]) for values in by_rank]
             self.bytes_total += max(bytes_by_rank)
             metrics: Metrics = {
@@ -339,6 +437,8 @@ class Trainer:
                 # The slowest / busiest rank's figures: the round waits for it.
                 "outer_comm_seconds": max(values[1] for values in by_rank),
                 "outer_merge_seconds": max(values[2] for values in by_rank),
+                # The training thread's time blocked on outer syncs (outer.delay hides the rest).
+                "outer_wait_seconds": max(values[3] for values in by_rank),
                 "outer_bytes_received": max(bytes_by_rank),
                 "outer_bytes_by_rank": bytes_by_rank,
                 "dropped_replicas": stats.dropped,

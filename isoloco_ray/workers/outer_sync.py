@@ -48,6 +48,18 @@ class OuterStepStats:
     bytes_received: int = 0
     dropped: list[int] = field(default_factory=list)
     skipped: bool = False  # every replica was bad: no update this round
+    # The training thread's seconds blocked on the sync: all of it, unless outer.delay hides
+    # it behind inner steps.
+    wait_seconds: float = 0.0
+
+    def add(self, other: OuterStepStats) -> None:
+        """Count `other` (another fragment's sync in the same round) in these figures."""
+        self.comm_seconds += other.comm_seconds
+        self.merge_seconds += other.merge_seconds
+        self.bytes_received += other.bytes_received
+        self.wait_seconds += other.wait_seconds
+        self.dropped = sorted(set(self.dropped) | set(other.dropped))
+        self.skipped = self.skipped or other.skipped
 
 
 def pruning_generator(seed: int, round_index: int, replica: int, tensor: str
@@ -67,8 +79,8 @@ def stopwatch(stats: OuterStepStats, field_name: str, device: torch.device) -> I
     """Add the block's wall seconds to `stats.<field_name>`, counting the device's queued work
     (CUDA runs asynchronously: synchronize before reading the clock)."""
     def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if device.type == "cuda":  # this thread's stream only: not a background sync's
+            torch.cuda.current_stream(device).synchronize()
         return time.perf_counter()
 
     started = now()
@@ -109,7 +121,7 @@ class OuterSync:
         self.everyone_merges = outer.placement == "replicated" or (
             outer.placement == "sharded" and self.resolved.elementwise
             and outer.comm_dtype == "float32")
-        self._plan: OuterPlan | None = None
+        self._plans: dict[tuple[str, ...], OuterPlan] = {}
 
     @property
     def per_replica_codes(self) -> bool:
@@ -118,28 +130,33 @@ class OuterSync:
         return not isinstance(self.transport.codec, CastCodec)
 
     def plan(self, shapes: Mapping[str, torch.Size]) -> OuterPlan:
-        """Owners of the tensors of `shapes` (built on first use; the same every round)."""
-        if self._plan is None:
-            self._plan = OuterPlan.build(shapes, self.merge, self.replicas, self.ranks,
-                                         self.outer.placement,
-                                         self.optimizer.orthogonalize_update)
-        return self._plan
+        """Owners of the tensors of `shapes`, the whole model or one fragment of it (built on
+        first use; the same every round)."""
+        key = tuple(shapes)
+        if key not in self._plans:
+            self._plans[key] = OuterPlan.build(shapes, self.merge, self.replicas, self.ranks,
+                                               self.outer.placement,
+                                               self.optimizer.orthogonalize_update)
+        return self._plans[key]
 
     def holds_momentum(self, name: str) -> bool:
         """Whether this rank keeps the momentum of tensor `name`."""
         if self.everyone_merges:
             return True
-        return self._plan is not None and self._plan.owners[name] == self.rank
+        return any(plan.owners.get(name) == self.rank for plan in self._plans.values())
 
     def state_dict(self) -> dict:
         """The outer optimizer's state with the momentum buffers this rank holds."""
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state: Mapping, shapes: Mapping[str, torch.Size]) -> None:
+    def load_state_dict(self, state: Mapping, shapes: Mapping[str, torch.Size],
+                        fragments: Sequence[Sequence[str]] | None = None) -> None:
         """Restore from a checkpoint's outer state whose "buffers" hold every saved buffer
-        (all ranks' files together), keeping those this rank holds under the current plan.
-        Raises ValueError if momentum buffers are missing."""
-        self.plan(shapes)
+        (all ranks' files together), keeping those this rank holds under the current plan of
+        each of `fragments` (default: one, the whole model). Raises ValueError if momentum
+        buffers are missing."""
+        for names in fragments or [list(shapes)]:
+            self.plan({name: shapes[name] for name in names})
         buffers = state["buffers"]
         if self.optimizer.momentum > 0 and state["step"] > 0:
             missing = sorted(set(shapes) - set(buffers))

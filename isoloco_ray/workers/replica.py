@@ -87,32 +87,49 @@ class Replica:
     """A replica's private state; everything here goes into a checkpoint."""
 
     index: int
+    # θ_r, the replica's own parameters (float32). They equal the global parameters after
+    # every sync unless outer.fragments, delay or mix are set (OuterConfig.streaming): only
+    # then does a checkpoint hold them. A worker hosting one replica keeps them in the model.
+    params: dict[str, torch.Tensor]
     optimizer: torch.optim.AdamW
     schedule: torch.optim.lr_scheduler.LambdaLR
     stream: ReplicaStream
     # outer.error_feedback: what the outer sync's transport lost of this replica's
     # pseudo-gradients so far, sent with the next one (outer_sync.py); empty when off.
     feedback: dict[str, torch.Tensor]
+    # Whether every inner loss since the last sync started was finite (else the replica is
+    # left out of the next merge).
+    losses_finite: bool
 
     def __init__(self, index: int, model: nn.Module, inner: InnerConfig, total_steps: int,
-                 stream: ReplicaStream, fused: bool = False) -> None:
+                 stream: ReplicaStream, fused: bool = False, in_model: bool = False,
+                 keeps_params: bool = False) -> None:
+        """`in_model`: the replica has the model to itself (its worker hosts no other), so its
+        parameters are the model's. `keeps_params`: they outlive a sync (OuterConfig.streaming)
+        and are checkpointed."""
         self.index = index
+        self.in_model = in_model
+        self.keeps_params = keeps_params
+        self.params = (dict(model.named_parameters()) if in_model
+                       else snapshot_parameters(model))
         self.optimizer, self.schedule = make_inner_optimizer(model, inner, total_steps, fused)
         self.stream = stream
         self.feedback = {}
+        self.losses_finite = True
         self._inner = inner
 
-    def run_inner_steps(self, model: nn.Module, runtime: Runtime,
-                        global_params: Mapping[str, torch.Tensor], steps: int,
+    def run_inner_steps(self, model: nn.Module, runtime: Runtime, steps: int,
                         micro_batch_size: int, shard: ReplicaShard | None = None
-                        ) -> tuple[dict[str, torch.Tensor], float]:
-        """Start from the global parameters, take `steps` AdamW steps, return (Δ_r, mean loss).
+                        ) -> list[torch.Tensor]:
+        """Take `steps` AdamW steps from the replica's parameters; returns each step's mean
+        loss (device tensors; `losses_finite` notes whether they were all finite).
 
-        Δ_r = θ_global − θ_r (the pseudo-gradient of docs/strategies.md), in float32. With a
-        `shard`, this worker computes the gradients of its rows of each batch and averages them
-        with the replica's other workers, so every one of them takes the same steps.
+        With a `shard`, this worker computes the gradients of its rows of each batch and
+        averages them with the replica's other workers, so every one of them takes the same
+        steps.
         """
-        load_parameters(model, global_params)
+        if not self.in_model:
+            load_parameters(model, self.params)
         model.train()
         average = None if shard is None else lambda: shard.average_gradients(model)
         losses = []
@@ -121,16 +138,48 @@ class Replica:
             losses.append(inner_step(runtime, self.optimizer, self.schedule,
                                      [batch if shard is None else shard.rows(batch)],
                                      micro_batch_size, self._inner.clip, average))
-        with torch.no_grad():
-            delta = {name: global_params[name] - p.detach().float()
-                     for name, p in model.named_parameters()}
-        loss = torch.stack(losses).mean().item()
-        return delta, loss if shard is None else shard.mean(loss, runtime.device)
+        if not self.in_model:
+            load_parameters_into(self.params, model)
+        if losses:
+            finite = bool(torch.isfinite(torch.stack(losses)).all())
+            if shard is not None:  # the replica's workers must agree: the outer groups do
+                finite = shard.mean(float(finite), runtime.device) == 1.0
+            self.losses_finite = self.losses_finite and finite
+        return losses
+
+    @torch.no_grad()
+    def pseudo_gradient(self, global_params: Mapping[str, torch.Tensor], names: Sequence[str],
+                        in_place: bool = False) -> dict[str, torch.Tensor]:
+        """Δ_r = θ_global − θ_r of the tensors `names` (docs/strategies.md), float32.
+
+        `in_place`: written over θ_r's own storage, for a caller that replaces those tensors
+        with the global ones next (`take_global` with mix 0) and needs no copy meanwhile."""
+        return {name: torch.sub(global_params[name], self.params[name],
+                                out=self.params[name] if in_place else None)
+                for name in names}
+
+    @torch.no_grad()
+    def take_global(self, global_params: Mapping[str, torch.Tensor], names: Sequence[str],
+                    mix: float = 0.0) -> None:
+        """θ_r ← mix·θ_r + (1 − mix)·θ_global for the tensors `names` (a copy when mix is 0)."""
+        for name in names:
+            if mix == 0.0:
+                self.params[name].copy_(global_params[name])
+            else:
+                self.params[name].copy_(mix * self.params[name] + (1 - mix) * global_params[name])
+
+    def reset(self, global_params: Mapping[str, torch.Tensor]) -> None:
+        """Start again from the global parameters with AdamW's moments forgotten (after a
+        diverged replica was left out of a merge: its parameters and moments may be NaN); the
+        LR schedule and the stream go on."""
+        self.take_global(global_params, list(self.params))
+        self.optimizer.state.clear()
+        self.losses_finite = True
 
     def state_dict(self) -> dict[str, Any]:
-        """AdamW state, LR schedule, stream position and error-feedback residual (if any):
-        tensors and plain values only. The
-        position is the count of sequences read this epoch and, to check it on resume, the
+        """AdamW state, LR schedule, stream position, error-feedback residual (if any) and,
+        with `keeps_params`, the parameters and `losses_finite`: tensors and plain values only.
+        The position is the count of sequences read this epoch and, to check it on resume, the
         shard file (its name) and row it stands at."""
         shard, row = self.stream.where()
         state = {"optimizer": self.optimizer.state_dict(),
@@ -140,16 +189,30 @@ class Replica:
                             "shard": Path(shard).name, "row": row}}
         if self.feedback:
             state["feedback"] = dict(self.feedback)
+        if self.keeps_params:
+            state["params"] = {name: p.detach() for name, p in self.params.items()}
+            state["losses_finite"] = self.losses_finite
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore `state_dict()`; the stream continues with its next unseen batch, read from
-        the shard and row it stood at (CheckpointError if the data's shards now put that
-        position elsewhere: they changed since the checkpoint)."""
+    def load_state_dict(self, state: Mapping[str, Any],
+                        global_params: Mapping[str, torch.Tensor]) -> None:
+        """Restore `state_dict()`; parameters not in it are the (restored) global ones. The
+        stream continues with its next unseen batch, read from the shard and row it stood at
+        (CheckpointError if the data's shards now put that position elsewhere: they changed
+        since the checkpoint, or if the checkpoint lacks the parameters a streaming run
+        keeps)."""
+        if self.keeps_params and "params" not in state:
+            raise CheckpointError(
+                f"replica {self.index}'s checkpoint holds no parameters of its own, which "
+                "outer.fragments, delay or mix need: it was written by another version")
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         device = next(iter(self.optimizer.param_groups[0]["params"])).device
         self.feedback = {name: t.to(device) for name, t in state.get("feedback", {}).items()}
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(state["params"][name] if self.keeps_params else global_params[name])
+        self.losses_finite = bool(state.get("losses_finite", True))
         saved = state["stream"]
         self.stream.seek(StreamPosition(saved["epoch"], saved["sequences"]))
         shard, row = self.stream.where()
@@ -161,17 +224,19 @@ class Replica:
                 f"{Path(shard).name or 'the end'}: the data changed since the run began; resume "
                 "with the data it was trained on")
 
-    def reset_optimizer(self) -> None:
-        """Forget AdamW's moments (after a diverged round left them NaN); the LR schedule and
-        the stream go on."""
-        self.optimizer.state.clear()
-
 
 @torch.no_grad()
 def load_parameters(model: nn.Module, params: Mapping[str, torch.Tensor]) -> None:
     """Copy `params` (by name) into the model's parameters in place."""
     for name, p in model.named_parameters():
         p.copy_(params[name])
+
+
+@torch.no_grad()
+def load_parameters_into(params: Mapping[str, torch.Tensor], model: nn.Module) -> None:
+    """Copy the model's parameters into `params` (by name) in place."""
+    for name, p in model.named_parameters():
+        params[name].copy_(p)
 
 
 @torch.no_grad()
