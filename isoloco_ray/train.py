@@ -162,6 +162,8 @@ def format_progress(metrics: dict[str, Any], rounds: int) -> str:
                      f"{metrics['outer_comm_seconds']:.2f}s merge "
                      f"{metrics['outer_merge_seconds']:.2f}s "
                      f"{metrics['outer_bytes_received'] / 2**20:,.1f} MiB in")
+        if "outer_wait_seconds" in metrics:  # less than comm + merge when outer.delay hides it
+            parts.append(f"waited {metrics['outer_wait_seconds']:.2f}s")
     return " | ".join(parts)
 
 

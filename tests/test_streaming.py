@@ -199,12 +199,18 @@ STREAMING = ["--model.preset=tiny", "--scaling.replicas=2", "--inner.steps=4",
              "--outer.fragments=2", "--outer.delay=1", "--outer.mix=0.5"]
 
 
-@pytest.mark.parametrize("strategy, workers", [("diloco", 2), ("tsv", 2), ("isocts", 1)])
-def test_streaming_matches_the_plain_reference(small_dataset, strategy, workers):
+@pytest.mark.parametrize("strategy, layout", [
+    ("diloco", ["--scaling.replicas_per_worker=1"]),
+    ("tsv", ["--scaling.replicas_per_worker=1"]),
+    ("isocts", ["--scaling.replicas_per_worker=2"]),
+    # Each replica on 2 workers: 2 outer groups, each with a background group of its own.
+    ("ties", ["--scaling.replicas_per_worker=1", "--scaling.workers_per_replica=2",
+              "--data.micro_batch_size=2"]),
+], ids=["diloco-2-ranks", "tsv-2-ranks", "isocts-1-process", "ties-4-ranks-G2"])
+def test_streaming_matches_the_plain_reference(small_dataset, strategy, layout):
     """The real implementation (replicas taking turns in one process, or one per gloo rank
     with the sync in a background thread and its own process group) against the reference."""
-    cfg = load_config(STREAMING + [f"--outer.strategy={strategy}",
-                                   f"--scaling.replicas_per_worker={2 // workers}"])
+    cfg = load_config(STREAMING + [f"--outer.strategy={strategy}", *layout])
     expected = reference_streaming(cfg, small_dataset)
     summary, params = run_local(cfg, small_dataset)
     assert params.keys() == expected.keys()
@@ -325,3 +331,28 @@ def test_a_diverged_replica_starts_again_from_the_global_parameters(small_datase
     assert "error" not in summary and all(torch.isfinite(p).all() for p in params.values())
     assert [m["dropped_replicas"] for m in reports if m["round"] > 0] == [[1], [], []]
     assert all(math.isfinite(m["loss"]) for m in reports if m["round"] > 0)
+
+
+def test_a_failing_background_sync_raises_where_it_lands():
+    from isoloco_ray.workers.overlap import Background
+
+    background = Background(torch.device("cpu"))
+
+    def broken() -> None:
+        raise RuntimeError("lost the link")
+
+    pending = background.start(broken)
+    with pytest.raises(RuntimeError, match="lost the link"):
+        background.finish(pending)
+    assert background.finish(background.start(lambda: 42)) == 42
+    background.close()
+
+
+def test_progress_line_shows_how_long_training_waited_for_the_syncs():
+    from isoloco_ray.train import format_progress
+
+    line = format_progress({"round": 3, "loss": 6.0, "tokens_per_s": 1000.0,
+                            "inner_seconds": 9.0, "outer_comm_seconds": 2.0,
+                            "outer_merge_seconds": 0.5, "outer_bytes_received": 2**21,
+                            "outer_wait_seconds": 0.25}, rounds=6)
+    assert line.endswith("inner 9.0s comm 2.00s merge 0.50s 2.0 MiB in | waited 0.25s")

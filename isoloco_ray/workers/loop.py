@@ -101,9 +101,7 @@ class Trainer:
                     ReplicaStream(replica_share(data_dir, r, cfg.scaling.replicas),
                                   env.read_rows, cfg.data.seq_len, cfg.data.batch_size,
                                   vocab_size=self.model.config.vocab_size),
-                    # Evaluations load the global parameters into the model: a replica's own
-                    # live there only while they equal the global ones at a round's end.
-                    fused=fused, in_model=len(self.layout.hosted) == 1 and not cfg.outer.streaming,
+                    fused=fused, in_model=self._replicas_in_model(),
                     keeps_params=cfg.outer.streaming)
             for r in self.layout.hosted
         ]
@@ -124,6 +122,15 @@ class Trainer:
                                        cfg.run.eval_tokens)
         if env.restore_from is not None:
             self.restore(env.restore_from)
+
+    def _replicas_in_model(self) -> bool:
+        """Whether the hosted replicas' parameters can live in the model module: for the only
+        replica of a worker, while they equal the global ones at every round's end (an
+        evaluation loads those into the module), and for adamw_ddp's replicas, which only
+        supply batches."""
+        outer = self.cfg.outer
+        return outer.strategy == "adamw_ddp" or (len(self.layout.hosted) == 1
+                                                 and not outer.streaming)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -293,23 +300,32 @@ class Trainer:
         def step() -> OuterStepStats:
             return self.outer.step(target, deltas, sync_round, diverged, feedback)
 
-        self.in_flight[fragment] = (step() if self.background is None
-                                    else self.background.start(step))
+        if self.background is not None:
+            self.in_flight[fragment] = self.background.start(step)
+            return
+        started = time.perf_counter()
+        stats = step()
+        stats.wait_seconds = time.perf_counter() - started  # training waited for all of it
+        self.in_flight[fragment] = stats
 
     def _finish_sync(self, fragment: int) -> OuterStepStats:
         """Land `fragment`'s sync: its global tensors hold the new values; each replica takes
         them (mixed with its own by outer.mix), or starts again from the global parameters if
         it was left out."""
-        waiting = time.perf_counter()
         pending = self.in_flight.pop(fragment)
-        stats = pending if self.background is None else self.background.finish(pending)
+        if isinstance(pending, Future):
+            assert self.background is not None
+            waiting = time.perf_counter()
+            stats = self.background.finish(pending)
+            stats.wait_seconds = time.perf_counter() - waiting
+        else:
+            stats = pending
         for replica in self.replicas:
             if replica.index in stats.dropped:
                 replica.reset(self.global_params)
             else:
                 replica.take_global(self.global_params, self.fragments[fragment],
                                     self.cfg.outer.mix)
-        stats.wait_seconds = time.perf_counter() - waiting
         return stats
 
     def _wait_for_syncs(self) -> None:
