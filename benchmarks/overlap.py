@@ -7,8 +7,8 @@ data, with a slow link simulated: every outer sync also sleeps for its fragment'
 `ratio` x the inner steps' time of a round (an all-reduce of the whole model at that
 bandwidth would take that long). Sleeping holds no core, as waiting on a network does not, so
 only the overlap can hide it. For each ratio the table shows, per round (medians over the
-steady rounds, not the first or last): the inner steps' seconds, the syncs' seconds (in whichever thread
-they ran), how long training waited for them, and the round's wall time against
+steady rounds, not the first or last): the inner steps' seconds, the syncs' seconds (in
+whichever thread they ran), how long training waited for them, and the round's wall time against
 max(inner, outer) (target with delay: <= 1.1) and inner + outer (what no overlap costs).
 
 A last row pair runs a CPU-heavy merge (isocts) with no simulated link: on a CPU-only
