@@ -17,7 +17,7 @@ from isoloco_ray.config import TrainConfig, load_config
 from isoloco_ray.data.format import DatasetMeta
 from isoloco_ray.data.stream import ReplicaStream, read_with_pyarrow, replica_share
 from isoloco_ray.strategies import OuterMerge
-from isoloco_ray.workers.checkpoint import parameters_sha256
+from isoloco_ray.workers.checkpoint import CheckpointError, parameters_sha256
 from isoloco_ray.workers.fragments import round_events, split_fragments
 from isoloco_ray.workers.local import StopAfterRound, run_local
 from isoloco_ray.workers.model import build_model, llama_config
@@ -307,6 +307,12 @@ def test_interrupted_streaming_run_resumes_bit_identically(small_dataset, tmp_pa
     for name in whole_params:
         assert torch.equal(resumed_params[name], whole_params[name]), name
     assert resumed["final_eval_loss"] == whole["final_eval_loss"]
+
+    del saved["params"]  # a replica file without the replica's own parameters is refused
+    torch.save(saved, tmp_path / "round_000002" / "replica_0001.pt")
+    with pytest.raises(CheckpointError, match="replica 1's checkpoint does not hold the "
+                                              "model's parameters of its own"):
+        run_local(cfg, small_dataset, restore_from=tmp_path / "round_000002")
 
 
 def test_a_diverged_replica_starts_again_from_the_global_parameters(small_dataset,

@@ -201,10 +201,11 @@ class Replica:
         (CheckpointError if the data's shards now put that position elsewhere: they changed
         since the checkpoint, or if the checkpoint lacks the parameters a streaming run
         keeps)."""
-        if self.keeps_params and "params" not in state:
+        if self.keeps_params and set(state.get("params", ())) != set(self.params):
             raise CheckpointError(
-                f"replica {self.index}'s checkpoint holds no parameters of its own, which "
-                "outer.fragments, delay or mix need: it was written by another version")
+                f"replica {self.index}'s checkpoint does not hold the model's parameters of "
+                "its own, which outer.fragments, delay or mix keep: it was written with other "
+                "settings")
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         device = next(iter(self.optimizer.param_groups[0]["params"])).device
