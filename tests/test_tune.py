@@ -77,6 +77,15 @@ def test_grid_errors_name_trial_and_field(tmp_path, small_dataset, capsys, no_ra
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("path", sorted(TUNE_CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_grid_file_is_valid(tmp_path, monkeypatch, path):
+    monkeypatch.setenv("DATA_DIR", str(tmp_path))
+    trials = build_trials(load_grid_file(path), {}, tmp_path)
+    assert trials
+    for trial in trials:
+        assert TrainConfig.model_validate(trial.config.model_dump(mode="json")) == trial.config
+
+
 def test_shipped_grids_expand_to_valid_trials(tmp_path, monkeypatch):
     monkeypatch.setenv("DATA_DIR", str(tmp_path))
     strategies = {}
