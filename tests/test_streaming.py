@@ -289,7 +289,10 @@ def test_one_fragment_without_delay_or_mix_is_the_plain_outer_step_bit_for_bit(
     ["--outer.fragments=2", "--outer.delay=1", "--outer.mix=0.5"],
     ["--outer.delay=3", "--outer.strategy=tsv", "--outer.comm_dtype=int8",
      "--outer.error_feedback=true"],
-], ids=["fragments", "fragments-delay-mix", "delay-int8-feedback"])
+    ["--outer.fragments=2", "--outer.delay=1", "--outer.strategy=dare",
+     "--outer.comm_dtype=float8", "--outer.error_feedback=true"],
+], ids=["fragments", "fragments-delay-mix", "delay-int8-feedback",
+        "fragments-delay-float8-feedback"])
 def test_interrupted_streaming_run_resumes_bit_identically(small_dataset, tmp_path, flags):
     """A checkpoint is taken at a round's end, where no fragment is in flight; with delay,
     fragment 0's sync of that moment starts right after it, so the resumed run starts it."""
@@ -362,3 +365,37 @@ def test_progress_line_shows_how_long_training_waited_for_the_syncs():
                             "outer_merge_seconds": 0.5, "outer_bytes_received": 2**21,
                             "outer_wait_seconds": 0.25}, rounds=6)
     assert line.endswith("inner 9.0s comm 2.00s merge 0.50s 2.0 MiB in | waited 0.25s")
+
+
+# -- every strategy and placement keeps working ------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "diloco_sgd", "isoc", "isoloco", "isocts", "tsv",
+                                      "ties", "dare"])
+def test_every_strategy_trains_with_fragments_delay_and_mix(small_dataset, strategy):
+    cfg = load_config(STREAMING + ["--scaling.replicas=4", "--scaling.replicas_per_worker=4",
+                                   f"--outer.strategy={strategy}"])
+    summary, params = run_local(cfg, small_dataset)
+    assert all(torch.isfinite(p).all() for p in params.values())
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3
+
+
+@pytest.mark.parametrize("strategy, options", [
+    ("tsv", ["--outer.placement=rank0", "--outer.comm_dtype=bfloat16"]),
+    ("isoloco", ["--outer.placement=replicated"]),
+    ("dare", ["--outer.comm_dtype=int8", "--outer.error_feedback=true"]),
+], ids=["tsv-rank0-bf16", "isoloco-replicated", "dare-int8-feedback"])
+def test_placements_and_compressed_transport_with_streaming(small_dataset, strategy, options):
+    """On 2 gloo ranks; every round checks that both ranks hold the same global parameters
+    (the run would stop with an error otherwise)."""
+    cfg = load_config(STREAMING + ["--scaling.replicas_per_worker=1",
+                                   f"--outer.strategy={strategy}", *options])
+    summary, params = run_local(cfg, small_dataset)
+    assert "error" not in summary
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    # Where each tensor is merged does not change the result.
+    if "--outer.placement=rank0" in options:
+        sharded = cfg.model_copy(deep=True)
+        sharded.outer.placement = "sharded"
+        _, sharded_params = run_local(sharded, small_dataset)
+        assert parameters_sha256(sharded_params) == parameters_sha256(params)

@@ -235,8 +235,10 @@ class OuterSync:
             sent = {r: dict(hosted[r]) for r in order}
             for r in order:
                 if feedback is not None and r in good:
-                    for name, residual in feedback[r].items():
-                        sent[r][name] = sent[r][name] + residual
+                    residuals = feedback[r]  # of every tensor; `hosted` may be one fragment
+                    for name in sent[r]:
+                        if name in residuals:
+                            sent[r][name] = sent[r][name] + residuals[name]
                 if self.resolved.prune_where_hosted and r in good:
                     sent[r] = {name: self._pruned(delta, round_index, r, name)
                                for name, delta in sent[r].items()}
