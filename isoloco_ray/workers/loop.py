@@ -74,6 +74,7 @@ class Trainer:
     # but not landed (none at a round's end, where checkpoints are taken: fragments.py).
     fragments: list[tuple[str, ...]]
     in_flight: dict[int, Future[OuterStepStats] | OuterStepStats]
+    background: Background | None  # the thread syncs run on with outer.delay (not state)
     # adamw_ddp: its one AdamW and LR schedule over the global model, alike on every rank (the
     # replicas then only supply batches); None for the DiLoCo strategies.
     data_parallel: tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR] | None
