@@ -399,3 +399,14 @@ def test_placements_and_compressed_transport_with_streaming(small_dataset, strat
         sharded.outer.placement = "sharded"
         _, sharded_params = run_local(sharded, small_dataset)
         assert parameters_sha256(sharded_params) == parameters_sha256(params)
+
+
+def test_the_sync_thread_runs_on_one_cpu_thread_and_leaves_the_training_threads_alone():
+    """Two OpenMP teams outnumbering the cores slow every team down (overlap.py)."""
+    from isoloco_ray.workers.overlap import Background
+
+    before = torch.get_num_threads()
+    background = Background(torch.device("cpu"))
+    assert background.finish(background.start(torch.get_num_threads)) == 1
+    assert torch.get_num_threads() == before
+    background.close()
