@@ -147,8 +147,9 @@ def start_line(cfg: TrainConfig, data_dir: Path) -> str:
             f"data {data_dir}")
 
 
-def format_progress(metrics: dict[str, Any], rounds: int) -> str:
-    """One console line per outer round (or the initial evaluation)."""
+def format_progress(metrics: dict[str, Any], rounds: int, overlapped: bool = False) -> str:
+    """One console line per outer round (or the initial evaluation); with `overlapped`
+    (outer.delay > 0) it adds how long training waited for the outer syncs."""
     parts = [f"round {metrics['round']:>4}/{rounds}"]
     if "loss" in metrics:
         parts.append(f"loss {metrics['loss']:.4f}")
@@ -162,13 +163,14 @@ def format_progress(metrics: dict[str, Any], rounds: int) -> str:
                      f"{metrics['outer_comm_seconds']:.2f}s merge "
                      f"{metrics['outer_merge_seconds']:.2f}s "
                      f"{metrics['outer_bytes_received'] / 2**20:,.1f} MiB in")
-        if "outer_wait_seconds" in metrics:  # less than comm + merge when outer.delay hides it
+        if overlapped:
             parts.append(f"waited {metrics['outer_wait_seconds']:.2f}s")
     return " | ".join(parts)
 
 
 def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Event,
-                    on_metrics: Callable[[dict[str, Any]], None] | None = None) -> None:
+                    on_metrics: Callable[[dict[str, Any]], None] | None = None,
+                    overlapped: bool = False) -> None:
     """Print and record (metrics.jsonl, and `on_metrics`, e.g. W&B) each report rank 0 puts on
     `queue` until `stop`. A failing `on_metrics` is reported once and then left out: the
     console and metrics.jsonl go on."""
@@ -179,7 +181,7 @@ def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Eve
             metrics = queue.get(timeout=0.5)
         except Empty:
             continue
-        print(format_progress(metrics, rounds), flush=True)
+        print(format_progress(metrics, rounds, overlapped), flush=True)
         try:  # opened per round: object storage has no appending to an open file
             with log_path.open("a") as log:
                 log.write(strict_json.dumps(metrics) + "\n")
@@ -242,7 +244,7 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
     stop = threading.Event()
     follower = threading.Thread(target=follow_progress, daemon=True,
                                 args=(progress, cfg.run.rounds, run_dir / "metrics.jsonl", stop,
-                                      on_metrics))
+                                      on_metrics, cfg.outer.delay > 0))
     follower.start()
     try:
         with allowed_counts_only(cfg.scaling):

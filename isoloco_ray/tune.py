@@ -615,8 +615,10 @@ def _progress_printer() -> Any:
         def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict,
                             **info: Any) -> None:
             if "round" in result:
-                rounds = trial.config["trial"]["config"]["run"]["rounds"]
-                print(f"{trial_name(trial)}: {format_progress(result, rounds)}", flush=True)
+                config = trial.config["trial"]["config"]
+                line = format_progress(result, config["run"]["rounds"],
+                                       overlapped=config["outer"]["delay"] > 0)
+                print(f"{trial_name(trial)}: {line}", flush=True)
 
         def on_trial_complete(self, iteration: int, trials: list, trial: Any,
                               **info: Any) -> None:

@@ -363,8 +363,13 @@ def test_progress_line_shows_how_long_training_waited_for_the_syncs():
     line = format_progress({"round": 3, "loss": 6.0, "tokens_per_s": 1000.0,
                             "inner_seconds": 9.0, "outer_comm_seconds": 2.0,
                             "outer_merge_seconds": 0.5, "outer_bytes_received": 2**21,
-                            "outer_wait_seconds": 0.25}, rounds=6)
+                            "outer_wait_seconds": 0.25}, rounds=6, overlapped=True)
     assert line.endswith("inner 9.0s comm 2.00s merge 0.50s 2.0 MiB in | waited 0.25s")
+    plain = format_progress({"round": 3, "loss": 6.0, "tokens_per_s": 1000.0,
+                             "inner_seconds": 9.0, "outer_comm_seconds": 2.0,
+                             "outer_merge_seconds": 0.5, "outer_bytes_received": 2**21,
+                             "outer_wait_seconds": 2.5}, rounds=6)
+    assert plain.endswith("merge 0.50s 2.0 MiB in")  # waited = comm + merge: not shown
 
 
 # -- every strategy and placement keeps working ------------------------------------------------
