@@ -72,18 +72,18 @@ class WorkerLayout:
             raise ValueError(f"the run has {world} workers but the scaling section allows "
                              f"{scaling.worker_counts} (R·G/V, or from scaling.min_workers)")
         per_replica = scaling.workers_per_replica
+        # The workers at the same position of every replica: the outer groups.
+        same_position = [list(range(p, world, per_replica)) for p in range(per_replica)]
         shard, outer_group = None, None
         if per_replica > 1:
             slots = world // per_replica
             replica_group, _ = dist.new_subgroups_by_enumeration(
                 [list(range(s * per_replica, (s + 1) * per_replica)) for s in range(slots)])
-            outer_group, _ = dist.new_subgroups_by_enumeration(
-                [list(range(p, world, per_replica)) for p in range(per_replica)])
+            outer_group, _ = dist.new_subgroups_by_enumeration(same_position)
             shard = ReplicaShard(rank % per_replica, per_replica, replica_group)
         sync_group = outer_group
         if background_sync and dist.is_available() and dist.is_initialized():
-            sync_group, _ = dist.new_subgroups_by_enumeration(
-                [list(range(p, world, per_replica)) for p in range(per_replica)])
+            sync_group, _ = dist.new_subgroups_by_enumeration(same_position)
         return cls(rank, world, scaling.replicas_per_worker_at(world), per_replica, shard,
                    outer_group, sync_group)
 
