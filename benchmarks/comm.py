@@ -50,6 +50,7 @@ from merge import MODELS, make_deltas, model_tensors  # benchmarks/merge.py, bes
 from isoloco_ray.config import OuterConfig, load_config
 from isoloco_ray.strategies import STRATEGIES as STRATEGY_SPECS
 from isoloco_ray.strategies import OuterMerge
+from isoloco_ray.testing import exit_after
 from isoloco_ray.workers import outer_sync
 from isoloco_ray.workers.local import in_gloo_group
 from isoloco_ray.workers.outer_plan import OuterPlan
@@ -268,7 +269,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
                         help="part 1 at W = 4 only, part 2 on 1 block")
+    parser.add_argument("--timeout", type=float, default=3600,
+                        help="seconds before the benchmark stops with its stacks (a hang)")
     args = parser.parse_args()
+    exit_after(args.timeout)
     if args.blocks is not None and not 1 <= args.blocks <= LAYERS:
         parser.error(f"--blocks must be in 1..{LAYERS}")
     worlds = args.ranks or ([TARGET_RANKS] if args.quick else [2, 4, 8])

@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from isoloco_ray.testing import exit_after
+
 TRAINING_TOKENS_PER_S = {"demo (2.9M, 2 CPU cores)": 5.6e3, "178M (1 H100, 40% MFU)": 3.7e5}
 WORDS_PER_FILE = 2_000_000
 
@@ -172,12 +174,16 @@ def child_stream(data_dir: str) -> dict:
             "peak_rss_mb": _peak_rss_mb()}
 
 
+CHILD_TIMEOUT = 3600.0  # seconds: main() sets it from --timeout
+
+
 def run_child(*args: str, threads: int | None = None) -> dict:
     env = dict(os.environ)
     if threads is not None:  # the tokenizers crate's thread pool
         env["RAYON_NUM_THREADS"] = str(threads)
     out = subprocess.run([sys.executable, __file__, "--child", *args], check=True,
-                         capture_output=True, text=True, env=env)
+                         capture_output=True, text=True, env=env,
+                         timeout=CHILD_TIMEOUT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -187,7 +193,12 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=sorted({1, 2, os.cpu_count() or 1}))
     p.add_argument("--engines", nargs="+", default=["local", "ray"], choices=["local", "ray"])
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=3600,
+                   help="seconds before the benchmark stops with its stacks (a hang)")
     args = p.parse_args()
+    global CHILD_TIMEOUT
+    CHILD_TIMEOUT = args.timeout
+    exit_after(args.timeout)
     if args.child:
         kind, *rest = args.child
         children = {"corpus": lambda: child_corpus(int(rest[0]), rest[1]),

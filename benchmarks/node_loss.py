@@ -58,8 +58,11 @@ def main() -> None:
     from ray.cluster_utils import Cluster
 
     from isoloco_ray import train
+    from isoloco_ray.testing import exit_after
 
     data_dir, out_dir, *options = sys.argv[1:]
+    # A hang ends with the stacks after ISOLOCO_RAY_BENCH_TIMEOUT seconds (default 15 min).
+    exit_after(float(os.environ.get("ISOLOCO_RAY_BENCH_TIMEOUT", 900)))
     grow = "--grow" in options
     options = [option for option in options if option != "--grow"]
     cluster = Cluster(initialize_head=True, head_node_args={

@@ -26,6 +26,7 @@ from isoloco_ray.data.format import (DatasetMeta, ShardInfo, SplitInfo, shard_na
 from isoloco_ray.data.stream import (ReplicaStream, RowReader, StreamPosition,
                                      closing,
                                      read_with_pyarrow, read_with_ray_data, replica_share)
+from isoloco_ray.testing import exit_after
 
 BLOCK_LEN = 2048
 SHARD_BLOCKS = 2048
@@ -84,7 +85,10 @@ def main() -> None:
     p.add_argument("--tokens", type=float, default=100e6)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-ray", action="store_true", help="pyarrow only")
+    p.add_argument("--timeout", type=float, default=3600,
+                   help="seconds before the benchmark stops with its stacks (a hang)")
     args = p.parse_args()
+    exit_after(args.timeout)
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp)
         started = time.perf_counter()

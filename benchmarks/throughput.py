@@ -25,6 +25,7 @@ from pathlib import Path
 
 from isoloco_ray.config import load_config
 from isoloco_ray.data.documents import ensure_demo_data
+from isoloco_ray.testing import exit_after
 from isoloco_ray.workers.local import run_local
 
 
@@ -33,7 +34,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--storage", default="/tmp/isoloco_ray_bench")
     parser.add_argument("--ray-only", action="store_true", help="skip the plain loop")
+    parser.add_argument("--timeout", type=float, default=3600,
+                        help="seconds before the benchmark stops with its stacks (a hang)")
     args, train_flags = parser.parse_known_args()
+    exit_after(args.timeout)
     flags = [f"--run.rounds={args.rounds}", f"--run.eval_every={args.rounds}",
              "--run.eval_tokens=4096", *train_flags]
     data_dir = ensure_demo_data()
@@ -50,7 +54,8 @@ def main() -> None:
     started = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-m", "isoloco_ray.train", *flags, f"--run.name={name}",
-         f"--run.storage_path={args.storage}"], check=True, capture_output=True, text=True)
+         f"--run.storage_path={args.storage}"], check=True, capture_output=True, text=True,
+        timeout=args.timeout)
     ray_wall = time.perf_counter() - started
     lines = out.stdout.strip().splitlines()
     summary_path = Path(lines[-1].removeprefix("summary: "))

@@ -71,6 +71,8 @@ CHOICES = {
                              "update": "update", "momentum": "update"},
 }
 DEFAULT_SEQUENCE_LENGTH = 2048
+# Where the research code reads its shards when a sweep sets no shards_path (its README).
+DEFAULT_SHARDS_PATH = "$DATA_DIR/dclm_tokenized-train_valid_test"
 SWEEP_KEYS = {"name", "project", "entity", "method", "metric", "program", "command",
               "parameters", "description"}
 
@@ -86,6 +88,7 @@ class Notes:
 
     lines: list[str] = field(default_factory=list)
     left_out: dict[str, list[str]] = field(default_factory=dict)  # sweep key -> strategies
+    header: list[str] = field(default_factory=list)  # for the converted file's header too
 
     def add(self, line: str) -> None:
         if line not in self.lines:
@@ -97,8 +100,10 @@ class Notes:
             strategies.append(str(strategy))
 
     def all_lines(self) -> list[str]:
-        """Every line, prefixed `warning:` or (settings left out as expected) `note:`."""
-        return [f"warning: {line}" for line in self.lines] + [
+        """Every line, prefixed `warning:` or (defaults and settings left out as expected)
+        `note:`."""
+        return [f"note: {line}" for line in self.header] + [
+            f"warning: {line}" for line in self.lines] + [
             f"note: parameters.{key} does not apply to {', '.join(strategies)}; left out of "
             "their trials" for key, strategies in self.left_out.items()]
 
@@ -326,9 +331,8 @@ def metric_of(sweep: dict[str, Any], notes: Notes) -> dict[str, str]:
     return {"name": "final_eval_loss", "mode": mode}
 
 
-def convert_sweep(sweep: dict[str, Any], source: str = "sweep") -> tuple[dict[str, Any],
-                                                                          list[str]]:
-    """(grid file mapping, lines for stderr) for a W&B sweep mapping."""
+def convert_sweep(sweep: dict[str, Any], source: str = "sweep") -> tuple[dict[str, Any], Notes]:
+    """(grid file mapping, what to tell about it) for a W&B sweep mapping."""
     notes = Notes()
     unknown_top = sorted(set(sweep) - SWEEP_KEYS)
     if unknown_top:
@@ -344,6 +348,11 @@ def convert_sweep(sweep: dict[str, Any], source: str = "sweep") -> tuple[dict[st
     nproc = nproc_per_node(sweep.get("command"), notes)
     combos = [convert_combination(dict(zip(parameters, values)), nproc, notes)
               for values in itertools.product(*parameters.values())]
+    if "shards_path" not in parameters:
+        for combo in combos:
+            combo["data.path"] = DEFAULT_SHARDS_PATH
+        notes.header.append(f"data.path: the sweep sets no shards_path; {DEFAULT_SHARDS_PATH}, "
+                            "the research code's default, is used")
     base, grid, trials = factor(combos)
     distinct = len({json.dumps(c, sort_keys=True) for c in combos})
     if distinct < len(combos):
@@ -364,16 +373,17 @@ def convert_sweep(sweep: dict[str, Any], source: str = "sweep") -> tuple[dict[st
         grid_file["grid"] = grid
     if trials:
         grid_file["trials"] = trials
-    return grid_file, notes.all_lines()
+    return grid_file, notes
 
 
-def to_yaml(grid_file: dict[str, Any], source: str) -> str:
-    """The grid file as YAML, with a header saying where it came from."""
+def to_yaml(grid_file: dict[str, Any], source: str, notes: list[str] = ()) -> str:
+    """The grid file as YAML, with a header saying where it came from and `notes`."""
     import yaml
 
     header = (f"# Converted from the W&B sweep {source} by\n"
               f"#   python -m isoloco_ray.tune --from-wandb-sweep {source}\n"
-              "# $VARIABLES in paths are expanded when the grid runs. Check the values, then:\n"
+              + "".join(f"# {note}\n" for note in notes)
+              + "# $VARIABLES in paths are expanded when the grid runs. Check the values, then:\n"
               "#   python -m isoloco_ray.tune THIS_FILE.yaml --dry-run\n")
     return header + yaml.safe_dump(grid_file, sort_keys=False, default_flow_style=None,
                                    width=100)
@@ -383,14 +393,14 @@ def convert_main(path: Path) -> int:
     """Print the grid file converted from the sweep at `path`; 2 on errors."""
     try:
         sweep = read_yaml_config(path)
-        grid_file, warnings = convert_sweep(sweep, str(path))
+        grid_file, notes = convert_sweep(sweep, str(path))
     except SweepError as exc:
         print(f"error: {path}: {exc}", file=sys.stderr)
         return 2
     except ConfigError as exc:  # unreadable file: the message names it
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for line in warnings:
+    for line in notes.all_lines():
         print(line, file=sys.stderr)
-    sys.stdout.write(to_yaml(grid_file, str(path)))
+    sys.stdout.write(to_yaml(grid_file, str(path), notes.header))
     return 0

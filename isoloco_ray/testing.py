@@ -1,13 +1,17 @@
-"""Generated inputs shared by the tests and the benchmarks (no data download, seeded).
+"""Generated inputs shared by the tests and the benchmarks (no data download, seeded), and the
+benchmarks' time bound.
 
 Sentence-like text from a fixed vocabulary: `synthetic_documents` (a list, for small prepared
 datasets) and `streamed_documents` (a generator of about N words, for corpora too large to
-hold in memory).
+hold in memory). `exit_after`: a hung Ray, gloo or training call ends a benchmark with its
+stacks instead of stalling it.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import random
+import sys
 from collections.abc import Iterator
 
 WORDS = ("the of and to in a is that for it as was with be by on not he this are or his "
@@ -41,3 +45,12 @@ def streamed_documents(words: int, seed: int = 0) -> Iterator[str]:
         n = int(rng.integers(50, 350))
         yield " ".join(vocabulary[rng.integers(0, len(vocabulary), n)]) + "."
         made += n + 1
+
+
+def exit_after(seconds: float) -> None:
+    """Ends this process with every thread's stack on stderr and exit status 1 once `seconds`
+    have passed (a watchdog thread: it fires also while Python is blocked in C code, where a
+    signal handler would wait). Subprocesses need a timeout of their own."""
+    if not seconds > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {seconds}")
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)

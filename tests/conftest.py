@@ -1,4 +1,11 @@
-"""Shared fixtures: a small real dataset (prepared once per session) and one Ray cluster."""
+"""Shared fixtures (a small real dataset prepared once per session, one Ray cluster, an S3
+server), and the markers every test gets from what it uses:
+
+- `ray`: the test starts Ray (it uses `ray_cluster`, `ray_head` or `own_ray`, or is
+  `multinode`). Any other test that starts a Ray process fails (`_no_ray_unless_marked`), so
+  `pytest -m "not ray"`, the fast selection, starts none.
+- `s3`: the test talks to the loopback S3 server (`s3_server`, directly or through a fixture).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,8 @@ import subprocess
 import sys
 import time
 import uuid
+
+import threading
 
 import pytest
 
@@ -138,3 +147,71 @@ def no_ray(monkeypatch):
 
     monkeypatch.setattr(train, "start_ray", refuse)
     monkeypatch.setattr(tune, "start_cluster", refuse)
+
+
+# -- markers from what a test uses, and the guard that keeps Ray out of the rest ---------------
+
+RAY_FIXTURES = {"ray_cluster", "ray_head", "own_ray"}
+RAY_PROCESS_NAMES = {"raylet", "gcs_server"}
+
+
+@pytest.fixture
+def own_ray():
+    """For a test that starts Ray processes of its own (a CLI in a subprocess, a multi-node
+    cluster): using it marks the test `ray`."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        if used & RAY_FIXTURES or item.get_closest_marker("multinode"):
+            item.add_marker(pytest.mark.ray)
+        if "s3_server" in used:
+            item.add_marker(pytest.mark.s3)
+
+
+def ray_processes() -> set[int]:
+    """Process ids of the Ray clusters' core processes (GCS, raylets) on this machine now."""
+    found = set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/comm") as comm:
+                    if comm.read().strip() in RAY_PROCESS_NAMES:
+                        found.add(int(entry.name))
+            except OSError:  # gone meanwhile
+                pass
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_unless_marked(request, monkeypatch):
+    """Fails a test without the `ray` marker that starts Ray: `ray.init` in this process
+    raises, and Ray processes started meanwhile by a subprocess are seen by polling /proc."""
+    if request.node.get_closest_marker("ray") or not sys.platform.startswith("linux"):
+        yield
+        return
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("this test starts Ray: give it the ray_cluster fixture (or "
+                             "own_ray for Ray processes of its own), which marks it `ray`")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    before = ray_processes()
+    started: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            started.update(ray_processes() - before)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    yield
+    done.set()
+    watcher.join()
+    started.update(ray_processes() - before)
+    if started:
+        pytest.fail(f"this test started Ray processes {sorted(started)}: give it the "
+                    "ray_cluster fixture (or own_ray), which marks it `ray`")

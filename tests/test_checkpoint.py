@@ -371,7 +371,6 @@ def test_run_checkpoints_are_ray_trains_newest_first(tmp_path):
     assert [Path(saved.path) for saved in found] == [tmp_path / n for n in names]
 
 
-@pytest.mark.ray
 def test_ray_resume_skips_a_damaged_checkpoint_and_stops_when_none_is_intact(
         ray_cluster, small_dataset, tmp_path, capsys):
     """A finished run made resumable again (summary.json removed): with every checkpoint

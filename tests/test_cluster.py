@@ -165,7 +165,6 @@ def ray_head():
         assert not left, f"Ray processes left behind: {left}"
 
 
-@pytest.mark.ray
 def test_job_submit_runs_a_tiny_training(ray_head, small_dataset, tmp_path):
     address, env = ray_head
     job_id = f"isoloco-test-{os.getpid()}-{time.time_ns()}"

@@ -250,7 +250,6 @@ def test_ray_data_rows_name_the_shard_of_each_row(data: Path) -> None:
         ReplicaStream(share, recorded, 64, 2, vocab_size=vocab).next_batch()
 
 
-@pytest.mark.ray
 def test_ray_data_stream_names_the_bad_shard(ray_cluster: None, data: Path) -> None:
     vocab = DatasetMeta.load(data).vocab_size
     share = replica_share(data, 0, 2)

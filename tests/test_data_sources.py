@@ -193,7 +193,6 @@ def _same_files(a: Path, b: Path) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
-@pytest.mark.ray
 def test_ray_engine_writes_the_local_engines_bytes(ray_cluster: None, corpus: tuple[Path, Path],
                                                    tmp_path: Path) -> None:
     root, reference = corpus
@@ -204,7 +203,6 @@ def test_ray_engine_writes_the_local_engines_bytes(ray_cluster: None, corpus: tu
     _same_files(reference, tmp_path / "ds")  # shards, meta.json and tokenizer, byte for byte
 
 
-@pytest.mark.ray
 def test_each_engine_resumes_the_others_interrupted_run(
         ray_cluster: None, corpus: tuple[Path, Path], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,7 +217,6 @@ def test_each_engine_resumes_the_others_interrupted_run(
         _same_files(reference, out)
 
 
-@pytest.mark.ray
 def test_ray_engine_names_the_bad_file_and_line(ray_cluster: None, corpus: tuple[Path, Path],
                                                 tmp_path: Path) -> None:
     _, reference = corpus

@@ -126,7 +126,6 @@ def test_resume_selects_trials_from_run_files_and_never_reads_tune_state(
     assert marker.exists()
 
 
-@pytest.mark.ray
 def test_resume_runs_unfinished_trials_in_a_fresh_tuner(ray_cluster, small_dataset, tmp_path,
                                                         capsys):
     path, grid_dir = started_grid(tmp_path, small_dataset, ["diloco", "isoc", "diloco_sgd"])

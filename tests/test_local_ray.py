@@ -73,7 +73,6 @@ def run_two_gloo_workers(storage: Path) -> list[dict]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
-@pytest.mark.ray
 def test_local_cluster_listens_on_loopback_only(ray_cluster, tmp_path):
     import ray
     import ray.data
@@ -102,7 +101,6 @@ def test_local_cluster_listens_on_loopback_only(ray_cluster, tmp_path):
     assert task_ip == "127.0.0.1" and sorted(row["n"] for row in rows) == list(range(50))
 
 
-@pytest.mark.ray
 def test_local_cluster_refuses_clients_without_the_token(ray_cluster):
     import grpc
     import ray

@@ -47,9 +47,8 @@ def assert_same_model(result: dict, model_dir: Path, data_dir: Path, *options: s
         torch.testing.assert_close(exported[name], whole_params[name], rtol=0, atol=1e-5)
 
 
-@pytest.mark.ray
 @pytest.mark.multinode
-def test_losing_a_node_shrinks_the_run_and_keeps_the_math(small_dataset, tmp_path):
+def test_losing_a_node_shrinks_the_run_and_keeps_the_math(own_ray, small_dataset, tmp_path):
     """2 workers on 2 one-CPU nodes (R = 2, min_workers 1); a worker's node is removed after
     the second checkpoint. The run restarts from its latest checkpoint on the one worker left,
     which hosts both replicas, and ends with the uninterrupted 2-worker run's model (within
@@ -63,9 +62,8 @@ def test_losing_a_node_shrinks_the_run_and_keeps_the_math(small_dataset, tmp_pat
     assert_same_model(result, tmp_path / "node-loss" / "model", small_dataset)
 
 
-@pytest.mark.ray
 @pytest.mark.multinode
-def test_a_joining_node_grows_the_run_and_keeps_the_math(small_dataset, tmp_path):
+def test_a_joining_node_grows_the_run_and_keeps_the_math(own_ray, small_dataset, tmp_path):
     """One worker on one node (R = 2, min_workers 1) hosts both replicas; a second node joins
     after the second checkpoint. At its next resize check Ray Train restarts the run from the
     latest checkpoint on two workers, one replica each, and the model is the one a 2-worker

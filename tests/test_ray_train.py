@@ -14,8 +14,6 @@ from isoloco_ray.data.format import split_files
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate
 from isoloco_ray.workers.model import Runtime
 
-pytestmark = pytest.mark.ray
-
 
 def test_two_worker_tiny_run_writes_summary_metrics_and_model(ray_cluster, small_dataset,
                                                               tmp_path, capsys):

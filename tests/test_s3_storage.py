@@ -52,7 +52,6 @@ def truncate(path: UPath) -> None:
     path.write_bytes(path.read_bytes()[:-100])
 
 
-@pytest.mark.ray
 def test_a_run_on_s3_writes_everything_there_and_resumes_from_it(ray_cluster, small_dataset,
                                                                    s3_bucket, capsys):
     """A run stored in the bucket; then, made resumable again (summary.json removed) with its
@@ -102,7 +101,6 @@ def test_a_run_on_s3_writes_everything_there_and_resumes_from_it(ray_cluster, sm
     assert (run_dir / "eval_loss.png").read_bytes().startswith(b"\x89PNG")
 
 
-@pytest.mark.ray
 def test_a_grid_on_s3_with_data_there(ray_cluster, s3_data, s3_bucket, tmp_path, capsys):
     grid = {"name": "s3grid",
             "base": {"model": {"preset": "tiny"},

@@ -150,7 +150,6 @@ def test_ray_source_reads_exactly_the_ranges_in_small_tables(small_dataset):
         [str(part.path) for part in ranges for _ in range(part.rows)]
 
 
-@pytest.mark.ray
 @pytest.mark.parametrize("more_replicas_than_shards", [False, True])
 def test_ray_data_streams_read_each_replicas_share_like_pyarrow(ray_cluster, small_dataset,
                                                                 more_replicas_than_shards):

@@ -174,8 +174,42 @@ def test_independent_values_become_a_grid(tmp_path, capsys, monkeypatch):
     assert grid["grid"] == {"inner.lr": [1e-3, 2e-3], "outer.lr": [0.5, 0.7]}
     assert "trials" not in grid
     assert grid["base"]["scaling"]["replicas"] == 8  # 2 processes x 4 virtual workers
-    assert "shards_path" not in err  # optional keys missing: no noise
+    assert "warning" not in err  # optional keys missing: no noise
     assert len(trials_of(grid, tmp_path, monkeypatch)) == 4
+
+
+def test_a_sweep_without_shards_path_reads_the_research_codes_data(tmp_path, capsys,
+                                                                  monkeypatch):
+    """No shards_path: the research code's default directory, said in the file's header; the
+    converted 178M grid dry-runs without DATA_DIR (a warning), never against the demo corpus."""
+    grid, text, err = convert(tmp_path, MERGE_SWEEP.replace("512M", "178M"), capsys)
+    default = "$DATA_DIR/dclm_tokenized-train_valid_test"
+    assert grid["base"]["data"]["path"] == default
+    header = text.split("\nname:")[0]
+    assert f"# data.path: the sweep sets no shards_path; {default}" in header
+    assert f"note: data.path: the sweep sets no shards_path; {default}" in err
+    converted = tmp_path / "merging.yaml"
+    converted.write_text(text)
+    monkeypatch.delenv("DATA_DIR", raising=False)
+    assert tune.main([str(converted), "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "names the unset environment variable DATA_DIR" in out + err
+    assert "demo" not in out + err and "blocks (128 tokens)" not in out + err
+
+
+def test_a_grid_of_a_large_model_without_data_path_is_refused(tmp_path, capsys, no_ray):
+    """The demo corpus is for the tiny and demo models: a 178M grid without data.path is an
+    error naming data.path, in a dry run too, and so is a 178M run of the train CLI."""
+    from isoloco_ray import train
+
+    grid = tmp_path / "big.yaml"
+    grid.write_text("base:\n  model: {preset: 178M}\ngrid:\n  outer.lr: [0.5, 0.7]\n")
+    assert tune.main([str(grid), "--dry-run"]) == 2
+    message = "data.path: unset, and the demo corpus is for the tiny and demo models, not " \
+              "model.preset 178M; set data.path to a prepared dataset"
+    assert message in capsys.readouterr().err
+    assert train.main(["--model.preset=178M"]) == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("change, message", [

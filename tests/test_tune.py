@@ -133,7 +133,6 @@ def test_wandb_single_run_logger_works_offline(tmp_path, monkeypatch):
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
 
 
-@pytest.mark.ray
 def test_real_grid_runs_trials_records_a_failure_and_resumes(ray_cluster, small_dataset,
                                                              tmp_path, capsys, monkeypatch):
     # A third trial's data loses its shards after validation (as when shared storage fails):

@@ -242,7 +242,6 @@ def wait_for_teardown(trial_pid: int, timeout_s: float = 30.0) -> list[dict]:
         time.sleep(0.5)
 
 
-@pytest.mark.ray
 def test_asha_stops_a_trial_that_does_not_learn(ray_cluster, small_dataset, tmp_path, capsys):
     # One trial at a time, the learning one first: ASHA records its rounds, then the second
     # (outer lr 0: its weights never move) is judged against them at its first eval round

@@ -319,7 +319,6 @@ def test_a_proposal_that_is_not_a_valid_config_is_recorded_as_failed(tmp_path, s
 # One real search on Ray Tune
 
 
-@pytest.mark.ray
 def test_real_search_runs_its_proposals(ray_cluster, small_dataset, tmp_path, capsys):
     path = search_grid(tmp_path, small_dataset, samples=2, trials=[],
                        resources={"trial_cpus": 0.5, "max_concurrent": 1})
