@@ -46,6 +46,15 @@ for _variable in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE",
     os.environ.pop(_variable, None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _gloo_processes_kept():
+    """Multi-rank local runs (workers.local.in_gloo_group) reuse their spawned processes."""
+    from isoloco_ray.workers.local import keep_processes
+
+    with keep_processes():
+        yield
+
+
 @pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory):
     """A prepared dataset (format.py): BPE vocab 384, blocks of 64 tokens, 16 blocks a shard."""

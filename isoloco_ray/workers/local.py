@@ -2,14 +2,21 @@
 
 The same `Trainer` Ray Train runs, fed by pyarrow instead of Ray Data. Tests use it to check the
 math (layouts, outer steps, exact resume) in seconds; benchmarks use it as the Ray-free
-reference.
+reference. Inside `keep_processes()` the W processes are spawned once and serve every group
+of that size (a spawn costs seconds: torch and transformers are imported again).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,15 +60,117 @@ def local_env(rank: int = 0, world: int = 1,
     )
 
 
+# A rank waits this long for the others to join its group (gloo's default: 30 minutes).
+GROUP_JOIN_TIMEOUT = datetime.timedelta(minutes=5)
+
+
 def _run_in_group(rank: int, world: int, scratch: str, threads: int, fn: Callable[..., Any],
                   args: tuple) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{scratch}/rendezvous", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=GROUP_JOIN_TIMEOUT)
     try:
         torch.save(fn(rank, world, *args), f"{scratch}/result_{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+# After a rank's failure, how long the other ranks' own reports are waited for.
+FAILED_GROUP_WAIT = 10.0
+
+
+class GroupFailed(RuntimeError):
+    """A rank of a kept process group raised or died; the message holds its traceback."""
+
+
+def _serve_ranks(conn: multiprocessing.connection.Connection) -> None:
+    """A kept process: runs one rank of each group it is sent, in the sender's environment and
+    directory of the moment (as a process spawned for it would), until sent None. (torch's
+    global generator is seeded at random in every process: nothing relies on it.)"""
+    while (task := conn.recv()) is not None:
+        environ, cwd, rank, world, scratch, threads, fn, args = task
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
+        try:
+            _run_in_group(rank, world, scratch, threads, fn, args)
+            conn.send(None)
+        except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
+            conn.send(traceback.format_exc())
+
+
+class _KeptRanks:
+    """`world` spawned processes serving one gloo group after another (`keep_processes`)."""
+
+    def __init__(self, world: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.connections: list[multiprocessing.connection.Connection] = []
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        for _ in range(world):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_serve_ranks, args=(theirs,))
+            process.start()
+            theirs.close()
+            self.connections.append(ours)
+            self.processes.append(process)
+
+    def run(self, scratch: str, threads: int, fn: Callable[..., Any], args: tuple) -> None:
+        """Every rank of one group. GroupFailed with the traceback of every rank that failed
+        (the others' collectives fail within moments of a rank's error: each is waited for
+        up to FAILED_GROUP_WAIT seconds, so the cause is among them, whichever came first)."""
+        world = len(self.connections)
+        for rank, conn in enumerate(self.connections):
+            conn.send((dict(os.environ), os.getcwd(), rank, world, scratch, threads, fn, args))
+        pending = dict(enumerate(self.connections))
+        failures: dict[int, str] = {}
+        while pending:
+            ready = multiprocessing.connection.wait(
+                list(pending.values()), timeout=FAILED_GROUP_WAIT if failures else None)
+            if not ready:
+                break
+            for conn in ready:
+                rank = self.connections.index(conn)
+                try:
+                    failure = conn.recv()
+                except EOFError:
+                    failure = f"the process died (exit code {self.processes[rank].exitcode})"
+                if failure is not None:
+                    failures[rank] = failure
+                del pending[rank]
+        if failures:
+            raise GroupFailed("\n".join(f"rank {rank} of {world} failed:\n{failures[rank]}"
+                                        for rank in sorted(failures)))
+
+    def close(self, wait: bool = True) -> None:
+        """Stops the processes: once their groups are done (`wait`), or at once."""
+        for conn in self.connections if wait else ():
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for process in self.processes:
+            process.join(timeout=10 if wait else 0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for conn in self.connections:
+            conn.close()
+
+
+_kept: dict[int, _KeptRanks] | None = None  # world size -> its processes, in keep_processes()
+
+
+@contextlib.contextmanager
+def keep_processes() -> Iterator[None]:
+    """Within it, `in_gloo_group` spawns the processes of each world size once and reuses them
+    (a group that fails has its processes replaced); they are stopped on exit."""
+    global _kept
+    outer, _kept = _kept, ({} if _kept is None else _kept)
+    try:
+        yield
+    finally:
+        if outer is None:
+            for ranks in _kept.values():
+                ranks.close()
+            _kept = None
 
 
 def in_gloo_group(fn: Callable[..., Any], world: int, *args: Any, threads: int = 1
@@ -70,8 +179,17 @@ def in_gloo_group(fn: Callable[..., Any], world: int, *args: Any, threads: int =
     `threads` intra-op threads; every rank's return value (tensors and plain values), in rank
     order. `fn` must be a module-level function (spawn pickles it by name)."""
     with tempfile.TemporaryDirectory() as scratch:
-        mp.start_processes(_run_in_group, nprocs=world, start_method="spawn", join=True,
-                           args=(world, scratch, threads, fn, args))
+        if _kept is None:
+            mp.start_processes(_run_in_group, nprocs=world, start_method="spawn", join=True,
+                               args=(world, scratch, threads, fn, args))
+        else:
+            if world not in _kept:
+                _kept[world] = _KeptRanks(world)
+            try:
+                _kept[world].run(scratch, threads, fn, args)
+            except BaseException:  # a failed or interrupted group: its processes are not reused
+                _kept.pop(world).close(wait=False)
+                raise
         # Written just now by our own processes into a private temporary directory.
         return [torch.load(Path(scratch, f"result_{rank}.pt"), weights_only=False)
                 for rank in range(world)]
