@@ -1,6 +1,6 @@
 """Lose a node mid-run on a multi-node Ray cluster simulated on this machine, and go on.
 
-    python benchmarks/node_loss.py DATA_DIR OUT_DIR [--grow] [train options ...]
+    python benchmarks/node_loss.py DATA_DIR OUT_DIR [--grow | --shrink-then-grow] [train flags]
 
 A `ray.cluster_utils.Cluster`: a head node without CPUs and two nodes of one CPU each, a
 worker on each (Ray Data's read tasks reserve no CPU). An elastic run (R = 2, scaling.min_workers
@@ -11,12 +11,13 @@ checkpoint it registered with the one worker left, hosting both replicas.
 With --grow the other way round: the run starts on one node (one worker hosting both
 replicas), a second node joins after the second checkpoint, and at its next resize check
 (every 5 s here, 60 s by default) Ray Train restarts the run from its latest checkpoint on two
-workers.
+workers. --shrink-then-grow does both in one run: a node is lost, and two rounds after the
+recovery a new node joins.
 
-Prints one JSON line: the exit status, seconds from the change to the next progress report
-(`recovery_seconds`), the rounds run again, the run's summary and the node-id placement before
-and after. Run by tests/test_multinode.py, which compares the model with an uninterrupted
-run's.
+Prints one JSON line: the exit status, the run's summary and, for each change, the seconds
+from the change to the next progress report (`recovery_seconds`), the rounds run again and the
+node-id placement before and after. Run by tests/test_multinode.py, which compares the model
+with an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ def main() -> None:
     data_dir, out_dir, *options = sys.argv[1:]
     # A hang ends with the stacks after ISOLOCO_RAY_BENCH_TIMEOUT seconds (default 15 min).
     exit_after(float(os.environ.get("ISOLOCO_RAY_BENCH_TIMEOUT", 900)))
-    grow = "--grow" in options
-    options = [option for option in options if option != "--grow"]
+    changes = {"--grow": ["add"], "--shrink-then-grow": ["remove", "add"]}.get(
+        next((o for o in options if o in ("--grow", "--shrink-then-grow")), ""), ["remove"])
+    options = [option for option in options if option not in ("--grow", "--shrink-then-grow")]
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": True, "dashboard_port": free_port()})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(1 if grow else 2)]
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(1 if changes[0] == "add" else 2)]
     cluster.wait_for_nodes()
     os.environ["RAY_ADDRESS"] = cluster.address
     ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
@@ -86,41 +88,48 @@ def main() -> None:
         return [json.loads(line) for line in metrics.read_text().splitlines()] \
             if metrics.exists() else []
 
-    while len(list(run_dir.glob("checkpoint_*"))) < 2 and runner.is_alive():
-        time.sleep(0.2)
-    before = worker_nodes()
-    reported = len(reports())
-    last_round = max((m["round"] for m in reports()), default=0)
-    if grow:
-        changed = cluster.add_node(num_cpus=1)
-    else:
-        changed = next(node for node in nodes if node.node_id in before)
-        cluster.remove_node(changed)
-    change_time = time.monotonic()
-    recovery, after = None, {}
-    while runner.is_alive() and recovery is None:
-        if grow and not after and sum(worker_nodes().values()) > 1:
-            # The grown group is up (Ray stopped the old one first): its reports come next.
-            after, reported = worker_nodes(), len(reports())
-            last_round = max((m["round"] for m in reports()), default=0)
-        now = reports()
-        if (after or not grow) and len(now) > reported and time.monotonic() - change_time > 1:
-            recovery = time.monotonic() - change_time
-            resumed_round = now[-1]["round"]
-        time.sleep(0.2)
-    if not grow:
-        after = worker_nodes() if runner.is_alive() else {}
+    results = []
+    wait_from = 0  # each change comes 2 rounds (each checkpointed) after the last recovery
+    for kind in changes:
+        while len(reports()) < wait_from + 3 and runner.is_alive():  # + the initial eval
+            time.sleep(0.2)
+        before = worker_nodes()
+        reported = len(reports())
+        last_round = max((m["round"] for m in reports()), default=0)
+        if kind == "add":
+            changed = cluster.add_node(num_cpus=1)
+            nodes.append(changed)
+        else:
+            changed = next(node for node in nodes if node.node_id in before)
+            cluster.remove_node(changed)
+            nodes.remove(changed)
+        change_time = time.monotonic()
+        recovery, resumed_round, after = None, None, {}
+        while runner.is_alive() and recovery is None:
+            if kind == "add" and not after and sum(worker_nodes().values()) > 1:
+                # The grown group is up (Ray stopped the old one first): its reports come next.
+                after, reported = worker_nodes(), len(reports())
+                last_round = max((m["round"] for m in reports()), default=0)
+            now = reports()
+            if (after or kind == "remove") and len(now) > reported \
+                    and time.monotonic() - change_time > 1:
+                recovery = time.monotonic() - change_time
+                resumed_round = now[-1]["round"]
+                after = after or worker_nodes()
+                wait_from = len(now) - 1
+            time.sleep(0.2)
+        results.append({
+            "change": kind, "node": changed.node_id, "recovery_seconds": recovery,
+            "rounds_redone": None if recovery is None else last_round - resumed_round + 1,
+            "workers_before": sum(before.values()), "nodes_before": len(before),
+            "workers_after": sum(after.values()), "placement_before": before,
+            "placement_after": after})
     runner.join()
     summary = json.loads((run_dir / "summary.json").read_text()) \
         if (run_dir / "summary.json").exists() else None
-    print(json.dumps({
-        "status": status[0] if status else None, "seconds": time.monotonic() - started,
-        "recovery_seconds": recovery,
-        "rounds_redone": None if recovery is None else last_round - resumed_round + 1,
-        "workers_before": sum(before.values()), "nodes_before": len(before),
-        "workers_after": sum(after.values()),
-        ("added" if grow else "removed"): changed.node_id,
-        "placement_before": before, "placement_after": after, "summary": summary}))
+    print(json.dumps({"status": status[0] if status else None,
+                      "seconds": time.monotonic() - started, "changes": results,
+                      "summary": summary}))
     ray.shutdown()
     cluster.shutdown()
 

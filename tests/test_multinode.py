@@ -1,5 +1,6 @@
 """A multi-node Ray cluster on this machine (ray.cluster_utils.Cluster): lose a node mid-run
-and go on with fewer workers, to the model the uninterrupted run makes."""
+and go on with fewer workers, then gain one and grow again, to the model the uninterrupted
+run makes."""
 
 from __future__ import annotations
 
@@ -48,33 +49,25 @@ def assert_same_model(result: dict, model_dir: Path, data_dir: Path, *options: s
 
 
 @pytest.mark.multinode
-def test_losing_a_node_shrinks_the_run_and_keeps_the_math(own_ray, small_dataset, tmp_path):
-    """2 workers on 2 one-CPU nodes (R = 2, min_workers 1); a worker's node is removed after
-    the second checkpoint. The run restarts from its latest checkpoint on the one worker left,
-    which hosts both replicas, and ends with the uninterrupted 2-worker run's model (within
-    float tolerance: the outer sum runs in another order on one worker)."""
-    result = node_change(small_dataset, tmp_path)
-    assert result["summary"]["rounds"] == 8
-    assert (result["workers_before"], result["nodes_before"]) == (2, 2)
-    assert result["workers_after"] == 1 and result["recovery_seconds"] is not None
-    assert result["removed"] not in result["placement_after"]
-    assert result["summary"]["workers"] == 1
-    assert_same_model(result, tmp_path / "node-loss" / "model", small_dataset)
-
-
-@pytest.mark.multinode
-def test_a_joining_node_grows_the_run_and_keeps_the_math(own_ray, small_dataset, tmp_path):
-    """One worker on one node (R = 2, min_workers 1) hosts both replicas; a second node joins
-    after the second checkpoint. At its next resize check Ray Train restarts the run from the
-    latest checkpoint on two workers, one replica each, and the model is the one a 2-worker
-    run makes throughout."""
+def test_losing_a_node_then_gaining_one_resizes_the_run_and_keeps_the_math(
+        own_ray, small_dataset, tmp_path):
+    """2 workers on 2 one-CPU nodes (R = 2, min_workers 1). A worker's node is removed after the
+    second checkpoint: the run restarts from its latest checkpoint on the one worker left,
+    which hosts both replicas. Two rounds later a new node joins: at its next resize check Ray
+    Train restarts the run from the latest checkpoint on two workers, one replica each. The
+    model is the uninterrupted 2-worker run's (within float tolerance: the outer sum runs in
+    another order on one worker). One cluster and one run for both changes."""
     # More rounds: the resize comes on a timer (a check every 5 s, then a restart), and the
     # run must still be going when it does, on a loaded machine too.
     longer = "--run.rounds=20"
-    result = node_change(small_dataset, tmp_path, "--grow", longer)
-    assert result["summary"]["rounds"] == 20
-    assert (result["workers_before"], result["nodes_before"]) == (1, 1)
-    assert result["workers_after"] == 2 and result["recovery_seconds"] is not None
-    assert result["added"] in result["placement_after"]
-    assert result["summary"]["workers"] == 2
+    result = node_change(small_dataset, tmp_path, "--shrink-then-grow", longer)
+    shrink, grow = result["changes"]
+    assert shrink["change"] == "remove" and grow["change"] == "add"
+    assert (shrink["workers_before"], shrink["nodes_before"]) == (2, 2)
+    assert shrink["workers_after"] == 1 and shrink["recovery_seconds"] is not None
+    assert shrink["node"] not in shrink["placement_after"]
+    assert grow["workers_before"] == 1
+    assert grow["workers_after"] == 2 and grow["recovery_seconds"] is not None
+    assert grow["node"] in grow["placement_after"]
+    assert result["summary"]["rounds"] == 20 and result["summary"]["workers"] == 2
     assert_same_model(result, tmp_path / "node-loss" / "model", small_dataset, longer)
