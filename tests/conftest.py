@@ -179,16 +179,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.s3)
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
 def ray_processes() -> set[int]:
-    """Process ids of the Ray clusters' core processes (GCS, raylets) on this machine now."""
+    """Process ids of the Ray core processes (GCS, raylets) that descend from this process
+    (other users' clusters on the machine are not this test's)."""
     found = set()
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
                 with open(f"/proc/{entry.name}/comm") as comm:
-                    if comm.read().strip() in RAY_PROCESS_NAMES:
-                        found.add(int(entry.name))
-            except OSError:  # gone meanwhile
+                    if comm.read().strip() not in RAY_PROCESS_NAMES:
+                        continue
+                pid = int(entry.name)
+                while pid > 1 and pid != os.getpid():
+                    pid = _parent(pid)
+                if pid == os.getpid():
+                    found.add(int(entry.name))
+            except (OSError, ValueError, IndexError):  # gone meanwhile
                 pass
     return found
 

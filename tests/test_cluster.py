@@ -107,7 +107,7 @@ def session_processes(sid: int) -> list[int]:
     return pids
 
 
-def stop_session(sid: int, grace: float = 10.0) -> list[int]:
+def stop_session(sid: int, grace: float = 2.0) -> list[int]:
     """SIGTERM every process of session `sid`, SIGKILL what is left after `grace` s; returns
     the pids still alive at the end (should be none)."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):

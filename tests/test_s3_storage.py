@@ -109,7 +109,7 @@ def test_a_grid_on_s3_with_data_there(ray_cluster, s3_data, s3_bucket, tmp_path,
                      "inner": {"steps": 2},
                      "run": {"rounds": 1, "eval_every": 1, "eval_tokens": 512,
                              "storage_path": f"s3://{s3_bucket}/grids"}},
-            "grid": {"outer.strategy": ["diloco", "isoc"]}}
+            "grid": {"outer.strategy": ["isoc"]}}  # one trial shows it all
     path = tmp_path / "grid.yaml"
     path.write_text(yaml.safe_dump(grid))
     assert tune.main([str(path)]) == 0
@@ -117,7 +117,7 @@ def test_a_grid_on_s3_with_data_there(ray_cluster, s3_data, s3_bucket, tmp_path,
     assert f"table: {grid_dir / 'results.md'}" in capsys.readouterr().out
     names = [trial["name"] for trial in json.loads((grid_dir / "grid.json").read_text())[
         "trials"]]
-    assert len(names) == 2
+    assert len(names) == 1
     for name in names:
         summary = json.loads((grid_dir / "runs" / name / "summary.json").read_text())
         assert summary["rounds"] == 1

@@ -155,7 +155,7 @@ def test_real_grid_runs_trials_records_a_failure_and_resumes(ray_cluster, small_
     path = write_grid(tmp_path, small_dataset, name="real",
                       trials=[{"outer.strategy": "diloco"}, {"outer.strategy": "isoc"},
                               {"outer.strategy": "diloco_sgd", "data.path": str(broken)}],
-                      resources={"trial_cpus": 0.5, "max_concurrent": 2})
+                      resources={"trial_cpus": 0.5, "max_concurrent": 3})
     grid = yaml.safe_load(path.read_text())
     grid["base"]["scaling"]["cpus_per_worker"] = 0.5
     grid["base"]["run"].update(base_extra)
@@ -164,7 +164,7 @@ def test_real_grid_runs_trials_records_a_failure_and_resumes(ray_cluster, small_
     assert tune.main([str(path)]) == 1  # one trial failed
     out = capsys.readouterr().out
     grid_dir = tmp_path / "grids" / "real"
-    assert "up to 2 at once" in out
+    assert "up to 3 at once" in out
     assert "0-diloco: round    2/2" in out and "1-isoc: done, final eval loss" in out
     assert "2-diloco_sgd: FAILED:" in out
 

@@ -321,7 +321,7 @@ def test_a_proposal_that_is_not_a_valid_config_is_recorded_as_failed(tmp_path, s
 
 def test_real_search_runs_its_proposals(ray_cluster, small_dataset, tmp_path, capsys):
     path = search_grid(tmp_path, small_dataset, samples=2, trials=[],
-                       resources={"trial_cpus": 0.5, "max_concurrent": 1})
+                       resources={"trial_cpus": 0.5, "max_concurrent": 2})
     grid = yaml.safe_load(path.read_text())
     grid["base"]["scaling"]["cpus_per_worker"] = 0.5
     path.write_text(yaml.safe_dump(grid))
