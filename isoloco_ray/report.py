@@ -69,13 +69,15 @@ class RunRecord:
 
     @property
     def status(self) -> str:
-        """done, diverged (finished with a non-finite final eval loss), stopped (early, by the
+        """done, diverged (finished with a non-finite final eval loss, or marked so by the run:
+        its last rounds skipped, or no better than a uniform prediction), stopped (early, by the
         grid's scheduler), failed, incomplete (running or interrupted) or pending (not
         started). A stopped trial that still finished (its last rounds raced the stop) is
         done; one whose Train run failed as it was torn down is stopped."""
         if self.summary is not None:
-            diverged = any(key in self.summary and finite(self.summary[key]) is None
-                           for key in DIVERGED_IF_NOT_FINITE)
+            diverged = self.summary.get("status") == "diverged" or any(
+                key in self.summary and finite(self.summary[key]) is None
+                for key in DIVERGED_IF_NOT_FINITE)
             return "diverged" if diverged else "done"
         if self.stopped is not None:
             return "stopped"

@@ -43,6 +43,10 @@ QUIET_RAY_ENV = {
 # busy cores trained 3-4x slower than one with a single thread (R=8 demo, 1 worker: 1,152 vs
 # 3,390 tok/s; PASSIVE: 4,671). Threads that sleep while they wait cost nothing of that.
 LOCAL_WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# How long a run on a joined cluster (which may autoscale) waits for the GPUs scaling.use_gpu
+# needs before it is refused.
+GPU_WAIT_SECONDS = float(os.environ.get("ISOLOCO_RAY_GPU_WAIT_SECONDS", 600))
+GPU_POLL_SECONDS = 5.0
 
 
 def run_name(cfg: TrainConfig) -> str:
@@ -111,6 +115,7 @@ def start_ray(cfg: TrainConfig, *, dashboard: bool = False) -> None:
     if joined_cluster() and not ray.is_initialized():
         # A real cluster may autoscale: its CPUs now say nothing about what it can run.
         ray.init(log_to_driver=False, logging_level="ERROR")
+        check_gpus(cfg, joined=True)
         return
     cpus_per_worker = cfg.scaling.worker_cpus
     workers_need = cfg.scaling.num_workers * cpus_per_worker
@@ -128,7 +133,9 @@ def start_ray(cfg: TrainConfig, *, dashboard: bool = False) -> None:
 
         start_local_cluster(num_cpus, include_dashboard=dashboard, runtime_env={"env_vars": {
             key: os.environ.get(key, value) for key, value in LOCAL_WORKER_ENV.items()}})
+        check_gpus(cfg, joined=False)
         return
+    check_gpus(cfg, joined=joined_cluster())
     available = ray.cluster_resources().get("CPU", 0)
     if not joined_cluster() and workers_need + 1 > available:
         raise ConfigError(
@@ -136,6 +143,34 @@ def start_ray(cfg: TrainConfig, *, dashboard: bool = False) -> None:
             f"workers x scaling.cpus_per_worker ({cpus_per_worker:g}) leave none for "
             "Ray Data's readers and the run would wait forever; lower "
             "scaling.cpus_per_worker (e.g. 0.5)")
+
+
+def check_gpus(cfg: TrainConfig, joined: bool) -> None:
+    """ConfigError when scaling.use_gpu asks for more GPUs (one per worker, at the fewest
+    workers the run may use) than the Ray cluster has, instead of waiting for them forever: at
+    once on a cluster of this machine; on a joined cluster, which an autoscaler may grow, after
+    waiting up to GPU_WAIT_SECONDS for them, saying so."""
+    import ray
+
+    if not cfg.scaling.use_gpu:
+        return
+    need = min(cfg.scaling.worker_counts)
+    have = ray.cluster_resources().get("GPU", 0.0)
+    if have >= need:
+        return
+    if joined:
+        print(f"waiting up to {GPU_WAIT_SECONDS:g} s for {need} GPUs (scaling.use_gpu: one per "
+              f"worker); the cluster has {have:g} now, an autoscaler may add nodes", flush=True)
+        deadline = time.monotonic() + GPU_WAIT_SECONDS
+        while have < need and time.monotonic() < deadline:
+            time.sleep(min(GPU_POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
+            have = ray.cluster_resources().get("GPU", 0.0)
+        if have >= need:
+            return
+    waited = f" after {GPU_WAIT_SECONDS:g} s" if joined else ""
+    raise ConfigError(f"scaling.use_gpu: the Ray cluster has {have:g} GPUs{waited} and the run "
+                      f"needs {need} (one per worker); set scaling.use_gpu=false to train on "
+                      "CPUs, or run on a cluster with GPUs")
 
 
 def start_line(cfg: TrainConfig, data_dir: Path) -> str:
@@ -346,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['initial_eval_loss']:.4f}), {summary['tokens']:,} tokens, "
           f"{summary['tokens_per_s']:,.0f} tok/s, {summary['seconds']:.0f}s")
     print(f"summary: {run_dir / 'summary.json'}")
+    if summary.get("status") == "diverged":
+        print(f"error: the run diverged: {summary['diverged']}; its model is in "
+              f"{summary['model_dir']}, marked DIVERGED.txt", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -625,10 +625,14 @@ def _progress_printer() -> Any:
             result = trial.last_result or {}
             if "final_eval_loss" in result:
                 loss = finite(result["final_eval_loss"])
-                print(f"{trial_name(trial)}: "
-                      + (f"done, final eval loss {loss:.4f}" if loss is not None else
-                         "diverged, final eval loss not a finite number")
-                      + f", {result.get('seconds', 0.0):.0f}s", flush=True)
+                if result.get("status") == "diverged":
+                    outcome = f"diverged: {result.get('diverged')}"
+                elif loss is None:
+                    outcome = "diverged, final eval loss not a finite number"
+                else:
+                    outcome = f"done, final eval loss {loss:.4f}"
+                print(f"{trial_name(trial)}: {outcome}, {result.get('seconds', 0.0):.0f}s",
+                      flush=True)
             elif (trial_run_dir(trial) / STOPPED_FILE).is_file():  # the scheduler stopped it
                 marker = json.loads((trial_run_dir(trial) / STOPPED_FILE).read_text())
                 print(f"{trial_name(trial)}: stopped early at round {marker['round']} "

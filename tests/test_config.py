@@ -101,6 +101,54 @@ def test_cli_error_exits_2_without_traceback_or_ray(capsys, no_ray):
     assert "Traceback" not in err
 
 
+@pytest.fixture
+def cluster_without_gpus(monkeypatch):
+    """A running Ray cluster as train.start_ray sees it: 8 CPUs, no GPU (no Ray started)."""
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    monkeypatch.setattr(train, "GPU_WAIT_SECONDS", 0.3)
+    monkeypatch.setattr(train, "GPU_POLL_SECONDS", 0.05)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(train, "fit", no_training)
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["local", "joined"])
+def test_use_gpu_without_gpus_is_refused_before_training(small_dataset, tmp_path, capsys,
+                                                         monkeypatch, cluster_without_gpus,
+                                                         joined):
+    """At once on a cluster of this machine; on a joined one (an autoscaler may add GPU nodes)
+    after a bounded wait that says what it waits for."""
+    monkeypatch.setattr(train, "joined_cluster", lambda: joined)
+    status = train.main(["--model.preset=tiny", f"--data.path={small_dataset}",
+                         "--data.seq_len=64", "--scaling.replicas=2",
+                         "--scaling.replicas_per_worker=1", "--scaling.use_gpu=true",
+                         f"--run.storage_path={tmp_path}"])
+    out, err = capsys.readouterr()
+    assert status == 2
+    waited = " after 0.3 s" if joined else ""
+    assert err.strip().splitlines()[-1] == (
+        f"error: scaling.use_gpu: the Ray cluster has 0 GPUs{waited} and the run needs 2 (one "
+        "per worker); set scaling.use_gpu=false to train on CPUs, or run on a cluster with GPUs")
+    assert ("waiting up to 0.3 s for 2 GPUs" in out) == joined
+
+
+def test_gpus_an_autoscaler_adds_while_waiting_are_taken(monkeypatch, cluster_without_gpus):
+    import ray
+
+    answers = iter([{"GPU": 0.0}, {"GPU": 1.0}, {"GPU": 2.0}])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: next(answers))
+    monkeypatch.setattr(train, "GPU_WAIT_SECONDS", 30.0)
+    train.check_gpus(load_config(["--scaling.replicas=2", "--scaling.replicas_per_worker=1",
+                                  "--scaling.use_gpu=true"]),
+                     joined=True)
+    assert next(answers, None) is None  # it asked until there were enough
+
+
 def test_missing_data_path_is_a_config_error(capsys, tmp_path, no_ray):
     status = train.main([f"--data.path={tmp_path / 'nowhere'}"])
     assert status == 2

@@ -199,3 +199,39 @@ def test_an_out_of_vocabulary_id_on_one_rank_stops_both_ranks_naming_the_shard(
     assert summary["rounds"] == 0
     assert summary["error"].startswith(f"worker 1 in round 1: {bad}: token id 99999 is outside "
                                        "the model's vocabulary (0..383)")
+
+
+# -- finished, but no success ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lr, reason", [
+    ("1e30", "every replica diverged in the last 2 round(s), which were skipped"),
+    ("1e6", "the final eval loss 5.9506 is no better than a uniform prediction's (ln V = "
+            "5.9506): lower outer.lr or inner.lr"),
+], ids=["last-rounds-skipped", "uniform"])
+def test_a_destroyed_model_finishes_as_diverged_not_done(small_dataset, lr, reason):
+    """A finite but absurd outer.lr: every replica non-finite and the last rounds skipped, or
+    weights so large the model predicts uniformly (eval loss ln V)."""
+    summary, _ = run_local(load_config(RUN + [f"--outer.lr={lr}"]), small_dataset)
+    assert summary["status"] == "diverged" and summary["diverged"] == reason
+    healthy, _ = run_local(load_config(RUN), small_dataset)
+    assert healthy["status"] == "done" and "diverged" not in healthy
+
+
+def test_the_train_cli_says_a_run_diverged_last_and_exits_1(small_dataset, tmp_path, capsys,
+                                                            monkeypatch):
+    """What the workers return for a destroyed model: summary.json with its status and reason,
+    the reason as the last line, exit status 1 (the model is exported, marked: test_export)."""
+    cfg = load_config(RUN + ["--outer.lr=1e6"])
+    final, _ = run_local(cfg, small_dataset)
+    monkeypatch.setattr(train, "start_ray", lambda *args, **kwargs: None)
+    monkeypatch.setattr(train, "fit", lambda *args, **kwargs: dict(final))
+    assert train.main(RUN + ["--outer.lr=1e6", f"--data.path={small_dataset}",
+                             f"--run.storage_path={tmp_path}", "--run.name=destroyed"]) == 1
+    out, err = capsys.readouterr()
+    summary = json.loads((tmp_path / "destroyed" / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["diverged"] == final["diverged"]
+    assert out.strip().splitlines()[-1] == f"summary: {tmp_path / 'destroyed' / 'summary.json'}"
+    assert err.strip().splitlines()[-1] == (
+        f"error: the run diverged: {final['diverged']}; its model is in "
+        f"{tmp_path / 'destroyed' / 'model'}, marked DIVERGED.txt")

@@ -18,8 +18,8 @@ from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DatasetMeta
 from isoloco_ray.data.npy_import import prepare_from_npy
 from isoloco_ray.train import write_summary
+from isoloco_ray.workers.export import export_model
 from isoloco_ray.workers.local import run_local
-from isoloco_ray.workers.loop import export_model
 from isoloco_ray.workers.model import build_model
 from isoloco_ray.workers.replica import load_parameters
 
@@ -29,7 +29,7 @@ EVAL_TOKENS = 1500  # 23 sequences of 64: micro-batches of 2, the last one short
 @pytest.fixture(scope="module")
 def run_dir(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished tiny run, laid out as train.py leaves it: config.json, summary.json (from
-    train.write_summary) and model/ (workers.loop.export_model of the final parameters)."""
+    train.write_summary) and model/ (workers.export.export_model of the final parameters)."""
     storage = tmp_path_factory.mktemp("runs")
     cfg = load_config([
         "--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64",

@@ -111,6 +111,25 @@ def test_single_run_and_directory_of_runs(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_a_run_marked_diverged_ranks_last_and_is_never_best(tmp_path):
+    """A destroyed model with a finite eval loss (e.g. ln V): the run's own verdict counts."""
+    write_run(tmp_path / "runs" / "0-diloco", [], [6.0, 5.9])
+    write_run(tmp_path / "runs" / "1-isoc", ["--outer.strategy=isoc"], [6.0, 5.0])
+    summary_path = tmp_path / "runs" / "1-isoc" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary.update(status="diverged", diverged="every replica diverged in the last 1 round(s)")
+    summary_path.write_text(json.dumps(summary))
+    (tmp_path / "grid.json").write_text(json.dumps({
+        "name": "marked", "metric": "final_eval_loss", "mode": "min",
+        "trials": [{"name": n, "strategy": n.split("-")[1], "overrides": {}}
+                   for n in ("0-diloco", "1-isoc")]}))
+    assert report.main([str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [(r["trial"], r["status"]) for r in rows] == [("0-diloco", "done"),
+                                                         ("1-isoc", "diverged")]
+    assert (tmp_path / "best_config.yaml").read_text().startswith("# Best of grid marked: 0-diloco")
+
+
 def test_non_finite_trials_rank_last_are_diverged_and_never_best(tmp_path, capsys):
     # Two trials whose eval loss ended NaN and inf (files as older versions wrote them, with
     # NaN/Infinity literals), between two normal ones; one more finished with null (strict).

@@ -25,13 +25,14 @@ from torch import nn
 
 from isoloco_ray import storage
 from isoloco_ray.config import TrainConfig, config_differences
-from isoloco_ray.data.format import DataError, DatasetMeta, load_tokenizer, split_files
+from isoloco_ray.data.format import DataError, DatasetMeta, split_files
 from isoloco_ray.data.stream import ReplicaStream, RowReader, replica_share
 from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_scalars,
                                              all_gather_strings, all_reduce_scalars,
                                              all_reduce_sum)
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
+from isoloco_ray.workers.export import ExportError, export_model
 from isoloco_ray.workers.fragments import round_events, split_fragments
 from isoloco_ray.workers.layout import WorkerLayout, placement_warning
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
@@ -41,6 +42,10 @@ from isoloco_ray.workers.replica import (Replica, inner_step, load_parameters,
                                          make_inner_optimizer, snapshot_parameters)
 
 Metrics = dict[str, Any]
+
+# A final eval loss within this many nats of ln V is no better than a uniform prediction.
+UNIFORM_MARGIN = 1e-3
+
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (diverged replicas, workers disagreeing); the message says why."""
@@ -474,10 +479,27 @@ class Trainer:
             else:
                 env.report(metrics, None)
 
+    def divergence(self) -> str | None:
+        """Why a run that reached its end is still no success, or None: its last rounds were
+        skipped (every replica diverged), or its final eval loss is no better than a uniform
+        prediction's, ln V (a destroyed model: e.g. an absurd outer.lr)."""
+        if self.bad_rounds:
+            return (f"every replica diverged in the last {self.bad_rounds} round(s), which were "
+                    "skipped")
+        uniform = math.log(self.model.config.vocab_size)
+        final = self.last_eval_loss
+        if final is not None and final >= uniform - UNIFORM_MARGIN:
+            return (f"the final eval loss {final:.4f} is no better than a uniform prediction's "
+                    f"(ln V = {uniform:.4f}): lower outer.lr or inner.lr")
+        return None
+
     def summary(self) -> Metrics:
         """The run's final figures (summary.json, less what only the driver knows)."""
         cfg = self.cfg
+        diverged = self.divergence()
         return {
+            "status": "done" if diverged is None else "diverged",
+            **({} if diverged is None else {"diverged": diverged}),
             "rounds": self.round,
             "tokens": self.round * cfg.tokens_per_round,
             "num_parameters": count_parameters(self.model),
@@ -507,17 +529,6 @@ def steady_tokens_per_s(rounds: int, tokens_per_round: int, train_seconds: float
     if rounds > 1:
         return (rounds - 1) * tokens_per_round / max(train_seconds - first_round_seconds, 1e-9)
     return rounds * tokens_per_round / max(train_seconds, 1e-9)
-
-
-def export_model(model: nn.Module, data_dir: Path, out_dir: Path) -> None:
-    """Save the model (safetensors) and the data's tokenizer for `from_pretrained` in
-    `out_dir` (local, or on object storage through a local copy)."""
-    with tempfile.TemporaryDirectory() as staging:
-        local = out_dir if isinstance(out_dir, Path) else Path(staging)
-        model.save_pretrained(local, safe_serialization=True)
-        load_tokenizer(data_dir).save_pretrained(local)
-        if local != out_dir:
-            storage.upload_directory(local, out_dir)
 
 
 def kill_once_hook(spec: str | None) -> Callable[[int, int], None] | None:
@@ -611,5 +622,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
         summary["resume_warning"] = warning
     summary["torch_threads"] = torch.get_num_threads()  # per worker (every rank sets alike)
     if "error" not in summary:
-        export_model(trainer.model, data_dir, run_dir / "model")
+        try:  # a run without its model is not finished: the error keeps it resumable
+            export_model(trainer.model, data_dir, run_dir / "model", summary.get("diverged"))
+        except ExportError as exc:
+            summary["error"] = str(exc)
     return summary
