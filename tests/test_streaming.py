@@ -140,21 +140,42 @@ def test_old_checkpoints_configs_resume_with_the_streaming_defaults():
 # -- the plain-PyTorch reference -----------------------------------------------------------------
 
 
+def reference_replicas(cfg: TrainConfig, data_dir) -> list[tuple]:
+    """Every replica of a reference loop: (its model, AdamW with its LR schedule, its data
+    stream), the model starting from the run's seed."""
+    replicas, total = cfg.scaling.replicas, cfg.run.rounds * cfg.inner.steps
+    vocab = DatasetMeta.load(data_dir).vocab_size
+    out = []
+    for r in range(replicas):
+        model = build_model(cfg.model, vocab, cfg.run.seed)
+        out.append((model, make_inner_optimizer(model, cfg.inner, total),
+                    ReplicaStream(replica_share(data_dir, r, replicas), read_with_pyarrow,
+                                  cfg.data.seq_len, cfg.data.batch_size, vocab_size=vocab)))
+    return out
+
+
+def reference_inner_step(cfg: TrainConfig, model, optimizer_and_schedule, stream) -> None:
+    """One inner AdamW step on a whole batch, the gradient clipped as the loop clips it."""
+    optimizer, schedule = optimizer_and_schedule
+    optimizer.zero_grad(set_to_none=True)
+    batch = stream.next_batch()
+    model(input_ids=batch, labels=batch).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.clip)
+    optimizer.step()
+    schedule.step()
+
+
 def reference_streaming(cfg: TrainConfig, data_dir) -> dict[str, torch.Tensor]:
     """The streaming semantics written straight from docs/strategies.md, one process: every
     replica a model of its own stepping in lockstep; after global inner step t, fragment p's
     pseudo-gradients are taken when (t − p·H/P) % H == 0, and `delay` steps later (or after
     the last step) their merge moves the global fragment by the outer optimizer and each
     replica's fragment becomes mix·local + (1 − mix)·global."""
-    outer, steps, replicas = cfg.outer, cfg.inner.steps, cfg.scaling.replicas
+    outer, steps = cfg.outer, cfg.inner.steps
     fragments, delay, mix = outer.fragments, outer.delay, outer.mix
     total = cfg.run.rounds * steps
-    vocab = DatasetMeta.load(data_dir).vocab_size
-    models = [build_model(cfg.model, vocab, cfg.run.seed) for _ in range(replicas)]
-    optimizers = [make_inner_optimizer(m, cfg.inner, total) for m in models]
-    streams = [ReplicaStream(replica_share(data_dir, r, replicas), read_with_pyarrow,
-                             cfg.data.seq_len, cfg.data.batch_size, vocab_size=vocab)
-               for r in range(replicas)]
+    replicas = reference_replicas(cfg, data_dir)
+    models = [model for model, _, _ in replicas]
     theta = {n: p.detach().clone() for n, p in models[0].named_parameters()}
     parts = split_fragments({n: t.shape for n, t in theta.items()}, fragments)
     resolved = OuterMerge.of(outer)
@@ -174,13 +195,8 @@ def reference_streaming(cfg: TrainConfig, data_dir) -> dict[str, torch.Tensor]:
 
     pending = []  # (lands after step, fragment, Δ_r of every replica)
     for t in range(1, total + 1):
-        for model, (opt, schedule), stream in zip(models, optimizers, streams):
-            opt.zero_grad(set_to_none=True)
-            batch = stream.next_batch()
-            model(input_ids=batch, labels=batch).loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.clip)
-            opt.step()
-            schedule.step()
+        for replica in replicas:
+            reference_inner_step(cfg, *replica)
         for p in range(fragments):
             if (t - p * steps // fragments) % steps == 0:
                 deltas = [{n: (theta[n] - params[n]).detach() for n in parts[p]}
@@ -245,26 +261,15 @@ def reference_plain(cfg: TrainConfig, data_dir) -> dict[str, torch.Tensor]:
     in test_aggregators, test_codec and test_outer_sync) on every Δ_r, and every replica
     starting again from θ. The same arithmetic as the training loop with its streaming
     settings off, so the two agree bit for bit on any CPU."""
-    replicas = cfg.scaling.replicas
-    vocab = DatasetMeta.load(data_dir).vocab_size
-    models = [build_model(cfg.model, vocab, cfg.run.seed) for _ in range(replicas)]
-    optimizers = [make_inner_optimizer(m, cfg.inner, cfg.run.rounds * cfg.inner.steps)
-                  for m in models]
-    streams = [ReplicaStream(replica_share(data_dir, r, replicas), read_with_pyarrow,
-                             cfg.data.seq_len, cfg.data.batch_size, vocab_size=vocab)
-               for r in range(replicas)]
+    replicas = reference_replicas(cfg, data_dir)
+    models = [model for model, _, _ in replicas]
     theta = {n: p.detach().clone() for n, p in models[0].named_parameters()}
-    outer = OuterSync(cfg.outer, replicas, cfg.run.seed)
-    feedback = {r: {} for r in range(replicas)} if cfg.outer.error_feedback else None
+    outer = OuterSync(cfg.outer, len(replicas), cfg.run.seed)
+    feedback = {r: {} for r in range(len(replicas))} if cfg.outer.error_feedback else None
     for round_index in range(cfg.run.rounds):
-        for model, (opt, schedule), stream in zip(models, optimizers, streams):
+        for replica in replicas:
             for _ in range(cfg.inner.steps):
-                opt.zero_grad(set_to_none=True)
-                batch = stream.next_batch()
-                model(input_ids=batch, labels=batch).loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.clip)
-                opt.step()
-                schedule.step()
+                reference_inner_step(cfg, *replica)
         with torch.no_grad():
             deltas = {r: {n: theta[n] - p for n, p in model.named_parameters()}
                       for r, model in enumerate(models)}
