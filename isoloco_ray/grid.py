@@ -26,7 +26,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 from isoloco_ray.config import (NAME_MAX_LEN, ConfigError, TrainConfig, build_config,
                                 check_name, field_paths, flatten, format_validation_error,
                                 merge_nested, nest, read_yaml_config)
-from isoloco_ray.storage import location, run_directory
+from isoloco_ray.storage import check_durable, location, run_directory
 
 SummaryMetric = Literal["final_eval_loss", "final_eval_perplexity", "tokens_per_s", "seconds",
                         "train_seconds", "outer_bytes_per_round"]
@@ -583,7 +583,9 @@ def grid_directory(grid_file: GridFile, cli_overrides: dict[str, Any], name: str
 
     `warnings`: as in expand_env_paths (a dry run)."""
     base = expand_env_paths(merge_nested(grid_file.base, cli_overrides), warnings)
-    return location(base.get("run", {}).get("storage_path") or "runs") / name
+    storage = base.get("run", {}).get("storage_path") or "runs"
+    check_durable(storage)
+    return location(storage) / name
 
 
 def validate_against_data(trials: list[Trial], warnings: list[str] | None = None) -> None:

@@ -109,9 +109,26 @@ def _copy_tree(source: UPath, dest: Path) -> None:
         source.fs.get_file(name, str(target))  # streamed: a model's weights are gigabytes
 
 
+def check_durable(spec: str | os.PathLike[str], field: str = "run.storage_path") -> None:
+    """ConfigError for a relative local output path inside a Ray job started with
+    `ray job submit --working-dir`: the job runs in Ray's unpacked copy of that directory
+    (under /tmp/ray/session_*/runtime_resources/), which Ray deletes, so what the run writes
+    there would be lost without a word."""
+    text = os.fspath(spec)
+    if is_uri(text) or Path(text).expanduser().is_absolute():
+        return
+    cwd = Path.cwd()
+    if "runtime_resources" in cwd.parts:
+        raise ConfigError(f"{field}: {text} is relative, and this is a Ray job running in Ray's "
+                          f"temporary copy of its working directory ({cwd}), which Ray deletes; "
+                          "give an absolute path on storage every node shares, or an s3:// URI")
+
+
 def check_writable(storage: str | os.PathLike[str], field: str = "run.storage_path") -> UPath:
     """Create `storage` if needed and check a file can be written there (and removed), so an
-    unwritable or unreachable place fails before any Ray process starts. Returns its path."""
+    unwritable or unreachable place fails before any Ray process starts; a relative path in a
+    Ray job's temporary working directory is refused (`check_durable`). Returns its path."""
+    check_durable(storage, field)
     path = location(storage, field)
     probe = path / f".write-check-{uuid.uuid4().hex}"
     try:

@@ -149,6 +149,33 @@ def test_gpus_an_autoscaler_adds_while_waiting_are_taken(monkeypatch, cluster_wi
     assert next(answers, None) is None  # it asked until there were enough
 
 
+def test_a_relative_storage_path_inside_a_ray_job_is_refused(small_dataset, tmp_path, capsys,
+                                                             monkeypatch, no_ray):
+    """Under `ray job submit --working-dir`, a relative run.storage_path would land in Ray's
+    temporary copy of the working directory: refused for runs and grids, naming the field;
+    an absolute path is taken."""
+    from isoloco_ray import tune
+    from isoloco_ray.storage import check_writable
+
+    job_dir = tmp_path / "ray" / "session_1" / "runtime_resources" / "working_dir_files" / "pkg"
+    job_dir.mkdir(parents=True)
+    monkeypatch.chdir(job_dir)
+    message = (f"error: run.storage_path: runs is relative, and this is a Ray job running in "
+               f"Ray's temporary copy of its working directory ({job_dir}), which Ray deletes; "
+               "give an absolute path on storage every node shares, or an s3:// URI")
+    assert train.main(["--model.preset=tiny", f"--data.path={small_dataset}",
+                       "--data.seq_len=64"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == message
+    grid = job_dir / "grid.yaml"
+    grid.write_text(f"base:\n  data: {{path: {small_dataset}, seq_len: 64}}\n"
+                    "  model: {preset: tiny}\n"
+                    "grid:\n  outer.lr: [0.5, 0.7]\n")
+    assert tune.main([str(grid), "--dry-run"]) == 2
+    assert message in capsys.readouterr().err
+    assert check_writable(tmp_path / "runs") == tmp_path / "runs"
+    assert not (job_dir / "runs").exists()
+
+
 def test_missing_data_path_is_a_config_error(capsys, tmp_path, no_ray):
     status = train.main([f"--data.path={tmp_path / 'nowhere'}"])
     assert status == 2
