@@ -114,6 +114,8 @@ def check_durable(spec: str | os.PathLike[str], field: str = "run.storage_path")
     `ray job submit --working-dir`: the job runs in Ray's unpacked copy of that directory
     (under /tmp/ray/session_*/runtime_resources/), which Ray deletes, so what the run writes
     there would be lost without a word."""
+    if isinstance(spec, UPath) and not isinstance(spec, Path):  # on object storage
+        return
     text = os.fspath(spec)
     if is_uri(text) or Path(text).expanduser().is_absolute():
         return
