@@ -398,11 +398,21 @@ def _wait_for(condition: Callable[[], bool], proc: subprocess.Popen[str],
         time.sleep(0.05)
 
 
-def _ctrl_c(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    """Ctrl-C as a terminal sends it (to the whole process group); (exit status, stderr)."""
+def _ctrl_c(proc: subprocess.Popen[str], unblock: Callable[[], None] | None = None
+            ) -> tuple[int, str]:
+    """Ctrl-C as a terminal sends it (to the whole process group); (exit status, stderr).
+    `unblock`, called if the process is still there after 5 s: ends a read it may be blocked
+    in (the kernel may hand SIGINT to another of its threads, and then nothing interrupts the
+    main thread's read; Python acts on the signal once that read returns)."""
     os.killpg(proc.pid, signal.SIGINT)
     try:
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=5 if unblock else 60)
+        except subprocess.TimeoutExpired:
+            if unblock is None:
+                raise
+            unblock()
+            _, err = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
@@ -435,10 +445,15 @@ def test_ctrl_c_during_from_npy_leaves_nothing(small_dataset: Path, tmp_path: Pa
         return bool(writer)
 
     _wait_for(converting_test_split, proc)
+
+    def close_writer() -> None:  # the FIFO's end of file
+        os.close(writer.pop())
+
     try:
-        code, err = _ctrl_c(proc)
+        code, err = _ctrl_c(proc, unblock=close_writer)
     finally:
-        os.close(writer[0])
+        if writer:
+            os.close(writer[0])
     assert code == 130
     assert err.strip().splitlines() == [
         "interrupted: nothing was kept (--from-npy is not resumable): the same command starts "
