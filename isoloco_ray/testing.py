@@ -52,5 +52,5 @@ def exit_after(seconds: float) -> None:
     have passed (a watchdog thread: it fires also while Python is blocked in C code, where a
     signal handler would wait). Subprocesses need a timeout of their own."""
     if not seconds > 0:
-        raise ValueError(f"--timeout must be a positive number of seconds, got {seconds}")
+        raise ValueError(f"a time bound must be a positive number of seconds, got {seconds}")
     faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)

@@ -105,9 +105,16 @@ def with_cpus_per_worker(cfg: TrainConfig, saved: dict[str, Any] | None = None) 
 
 def start_ray(cfg: TrainConfig, *, dashboard: bool = False) -> None:
     """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), or start a local one
-    with more logical CPUs than cores: Ray Data's read tasks need slots beside the workers.
-    An unset scaling.cpus_per_worker counts as 1 here (main resolves it first). `dashboard`:
-    a local cluster also runs Ray's dashboard (on 127.0.0.1), which serves the state API."""
+    with more logical CPUs than cores: Ray Data's read tasks need slots beside the workers;
+    then check it has the GPUs the run asks for (`check_gpus`). An unset
+    scaling.cpus_per_worker counts as 1 here (main resolves it first). `dashboard`: a local
+    cluster also runs Ray's dashboard (on 127.0.0.1), which serves the state API."""
+    _join_or_start_ray(cfg, dashboard)
+    check_gpus(cfg, joined=joined_cluster())
+
+
+def _join_or_start_ray(cfg: TrainConfig, dashboard: bool) -> None:
+    """`start_ray` without the GPU check."""
     import ray
 
     for key, value in QUIET_RAY_ENV.items():
@@ -115,7 +122,6 @@ def start_ray(cfg: TrainConfig, *, dashboard: bool = False) -> None:
     if joined_cluster() and not ray.is_initialized():
         # A real cluster may autoscale: its CPUs now say nothing about what it can run.
         ray.init(log_to_driver=False, logging_level="ERROR")
-        check_gpus(cfg, joined=True)
         return
     cpus_per_worker = cfg.scaling.worker_cpus
     workers_need = cfg.scaling.num_workers * cpus_per_worker
@@ -133,9 +139,7 @@ def start_ray(cfg: TrainConfig, *, dashboard: bool = False) -> None:
 
         start_local_cluster(num_cpus, include_dashboard=dashboard, runtime_env={"env_vars": {
             key: os.environ.get(key, value) for key, value in LOCAL_WORKER_ENV.items()}})
-        check_gpus(cfg, joined=False)
         return
-    check_gpus(cfg, joined=joined_cluster())
     available = ray.cluster_resources().get("CPU", 0)
     if not joined_cluster() and workers_need + 1 > available:
         raise ConfigError(
