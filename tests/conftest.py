@@ -13,10 +13,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
-
-import threading
 
 import pytest
 
