@@ -11,11 +11,14 @@ S3-compatible server), so one set of variables configures them all.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
+import socket
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from typing import Any
 from upath import UPath
 
 from isoloco_ray.config import ConfigError
+from isoloco_ray.file_lock import LockHeld, exclusive
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # fsspec protocol -> the package that implements it, for the error when it is missing.
@@ -158,3 +162,66 @@ def upload_directory(local: Path, destination: str | os.PathLike[str]) -> None:
     filesystem.create_dir(path, recursive=True)
     pyarrow.fs.copy_files(str(local), path, source_filesystem=pyarrow.fs.LocalFileSystem(),
                           destination_filesystem=filesystem)
+
+
+# Room a checkpoint leaves beside its own files: Ray Train's record of the run's checkpoints,
+# rewritten after each one, and the filesystem's rounding of every file to whole blocks.
+CHECKPOINT_HEADROOM = 1 << 20
+
+
+def checkpoint_room(directory: str | os.PathLike[str], needed: int) -> str | None:
+    """Why a checkpoint of `needed` bytes will not fit under `directory`, or None (it fits,
+    or `directory` is on object storage, which does not fill up). Checked before a checkpoint
+    is written: a disk that fills up during one leaves half a checkpoint, and Ray Train's
+    restarts would only fill it again."""
+    path = location(directory)
+    if not isinstance(path, Path):
+        return None
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if free >= needed + CHECKPOINT_HEADROOM:
+        return None
+    mib = 1 << 20
+    return (f"{path} has {free / mib:,.1f} MiB free and the checkpoint needs "
+            f"{(needed + CHECKPOINT_HEADROOM) / mib:,.1f} MiB: free space there (earlier "
+            "checkpoints are kept) and run the same command again to resume from the latest")
+
+
+RUN_LOCK = ".run.lock"  # in a run directory while a run of it is live
+
+
+def hold_run(run_dir: UPath, field: str = "run.name") -> contextlib.ExitStack:
+    """Take the lock of `run_dir` (a `.run.lock` file in it, naming this process), creating the
+    directory, for as long as a run of it is live: released when the returned stack closes
+    (`with hold_run(run_dir): ...`), the directory removed again if the run left it empty.
+
+    A second run of the same directory is refused here with a ConfigError naming the holder,
+    instead of both writing the same rounds and checkpoints. The lock goes with its process,
+    however that ends (file_lock.py). On object storage no lock is taken: there, one run per
+    name at a time is the user's to keep (README)."""
+    stack = contextlib.ExitStack()
+    if not isinstance(run_dir, Path):
+        return stack
+    existed = run_dir.is_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not existed:
+        stack.callback(_remove_if_empty, run_dir)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    holder = f"pid {os.getpid()} on {socket.gethostname()}, started {started}"
+    try:
+        stack.enter_context(exclusive(run_dir / RUN_LOCK, wait=False, holder=holder))
+    except LockHeld as held:
+        stack.close()
+        who = held.holder or "a process that has just started"
+        raise ConfigError(
+            f"{field}: {run_dir} is in use by another run ({who}); wait for it to end or "
+            "choose another run.name. Its lock goes with that process: if it hangs, stop it "
+            "(kill the pid on that host) and run this again") from None
+    return stack
+
+
+def _remove_if_empty(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        directory.rmdir()

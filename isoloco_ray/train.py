@@ -23,7 +23,7 @@ from isoloco_ray.data.checks import epochs, validated_data_dir
 from isoloco_ray.data.format import DataError, DatasetMeta
 from isoloco_ray.elastic import allowed_counts_only, ray_scaling_config
 from isoloco_ray.local_ray import joined_cluster
-from isoloco_ray.storage import check_writable
+from isoloco_ray.storage import check_writable, hold_run
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
 
 # Ray's defaults print dozens of lines per run on a laptop; these keep the console to our
@@ -275,11 +275,17 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
     from ray.util.queue import Queue
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from isoloco_ray.workers.resume import repair_record
+
     # On this (the driver's) node: a queue on a node that is lost would take every later
     # progress line with it, while the run goes on elsewhere.
     progress = Queue(actor_options={"num_cpus": 0, "scheduling_strategy":
                                     NodeAffinitySchedulingStrategy(
                                         ray.get_runtime_context().get_node_id(), soft=False)})
+    # Before Ray Train reads it: a record a crash left unreadable would stop the run for good.
+    repaired = repair_record(run_dir)
+    if repaired is not None:
+        print(repaired, file=sys.stderr, flush=True)
     stop = threading.Event()
     follower = threading.Thread(target=follow_progress, daemon=True,
                                 args=(progress, cfg.run.rounds, run_dir / "metrics.jsonl", stop,
@@ -292,6 +298,13 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
         stop.set()
         follower.join()
     return result.return_value
+
+
+def write_config(run_dir: Path, cfg: TrainConfig) -> None:
+    """Write `run_dir/config.json`, the settings a resume must match, atomically: on a full
+    disk the previous one stays whole (a truncated one would stop every later resume)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    strict_json.write(run_dir / "config.json", cfg.model_dump(mode="json"), indent=2)
 
 
 def write_summary(cfg: TrainConfig, final: dict[str, Any], data_dir: Path, run_dir: Path,
@@ -330,14 +343,22 @@ def main(argv: list[str] | None = None) -> int:
     name = run_name(cfg)
     try:
         run_dir = check_writable(cfg.run.storage_path) / name
+        held = hold_run(run_dir)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    with held:
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
+        return train_run(cfg, data_dir, run_dir)
+
+
+def train_run(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> int:
+    """`main` once the run directory is held: resume or start the run, then summarise it;
+    returns the exit status."""
     if (run_dir / "summary.json").exists():
         print(f"error: run.name: {run_dir} already holds a finished run; choose another "
               "run.name", file=sys.stderr)
         return 2
-    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
     resuming = (run_dir / "config.json").exists()
     saved = json.loads((run_dir / "config.json").read_text()) if resuming else None
     cfg = with_cpus_per_worker(cfg, saved)
@@ -356,8 +377,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ray_start_seconds = time.perf_counter() - started
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    try:
+        write_config(run_dir, cfg)
+    except OSError as exc:
+        print(f"error: run.storage_path: cannot write {run_dir / 'config.json'} "
+              f"({exc.strerror or exc}); free space there and run the same command again",
+              file=sys.stderr)
+        return 1
 
     print(start_line(cfg, data_dir), flush=True)
     passes = epochs(cfg, DatasetMeta.load(data_dir))

@@ -54,7 +54,7 @@ from isoloco_ray.grid import (GridFile, SchedulerSpec, Search, Trial, build_tria
                               load_grid_file, make_search, validate_against_data)
 from isoloco_ray.report import (ERROR_FILE, GRID_FILE, RUNS_DIR, STOPPED_FILE, RunRecord,
                                 finite, last_error_line, load_run, print_report, write_report)
-from isoloco_ray.storage import check_writable, location, run_directory
+from isoloco_ray.storage import check_writable, hold_run, location, run_directory
 
 PROG = "python -m isoloco_ray.tune"
 TUNE_DIR = "tune"  # Tune's experiment inside the grid directory (a resume's: tune-resume-<n>)
@@ -196,20 +196,26 @@ def run_trial(params: dict[str, Any]) -> dict[str, Any]:
 
     Returns the run's summary (Tune's last result). A trial whose run already finished (the
     grid was interrupted right after) returns that run's summary without training again.
-    The traceback of a failure is kept in the run's error.txt for the report."""
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from isoloco_ray.train import fit, write_summary
-
+    The traceback of a failure is kept in the run's error.txt for the report. The run's
+    directory is held while the trial runs (storage.hold_run)."""
     trial = params["trial"]
     cfg = TrainConfig.model_validate(trial["config"])
     data_dir = location(trial["data_dir"], "data.path")
     run_dir = run_directory(cfg.run.storage_path, cfg.run.name)
+    with hold_run(run_dir):
+        return _run_trial_held(cfg, data_dir, run_dir)
+
+
+def _run_trial_held(cfg: TrainConfig, data_dir: Any, run_dir: Any) -> dict[str, Any]:
+    """`run_trial` once its run directory is held."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from isoloco_ray.train import fit, write_config, write_summary
+
     if (run_dir / SUMMARY_FILE).is_file():
         return strict_json.finite_or_none(json.loads((run_dir / SUMMARY_FILE).read_text()))
-    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / ERROR_FILE).unlink(missing_ok=True)
-    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    write_config(run_dir, cfg)
     started = time.perf_counter()
     try:
         final = fit(cfg, data_dir, run_dir, callbacks=[TuneReportCallback()])

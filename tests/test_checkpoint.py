@@ -402,14 +402,140 @@ def test_ray_resume_skips_a_damaged_checkpoint_and_stops_when_none_is_intact(
     assert f"{older / 'state.json'}: not valid JSON" in err and f"delete {run_dir}" in err
 
     (older / "state.json").write_text(state)
+    # And Ray Train's record emptied, as a write of it on a full disk leaves it: rebuilt.
+    (run_dir / resume.RAY_RECORD).write_text("")
     assert train.main(args) == 0
-    assert f"warning: checkpoint {newest} is damaged" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"warning: checkpoint {newest} is damaged" in err
+    assert f"note: Ray Train's record of this run's checkpoints ({run_dir / resume.RAY_RECORD})" \
+        " was unusable: it is empty" in err
     resumed = json.loads((run_dir / "summary.json").read_text())
     assert resumed["resume_warning"].startswith(
         f"warning: checkpoint {newest} is damaged: {newest / 'global.safetensors'}")
     assert f"resuming from the older checkpoint {older} (round 2) instead" in \
         resumed["resume_warning"]
     assert resumed["model_sha256"] == whole["model_sha256"]
+
+
+def ray_record_latest(run_dir: Path) -> str:
+    """The latest checkpoint of `run_dir` as Ray Train's own checkpoint manager reads it."""
+    from ray.train import CheckpointConfig
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
+        CheckpointManager)
+    from ray.train.v2._internal.execution.context import StorageContext
+
+    manager = CheckpointManager(CheckpointConfig(num_to_keep=2), StorageContext(
+        storage_path=str(run_dir.parent), experiment_dir_name=run_dir.name))
+    return Path(manager.latest_checkpoint_result.checkpoint.path).name
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda record: record.write_text(""), "it is empty"),
+    (lambda record: record.write_text(record.read_text()[:40]),
+     "it cannot be read (ValidationError)"),
+    (lambda record: shutil.rmtree(record.parent / "checkpoint_2025-01-02_10-00-00.000000"),
+     "it names checkpoints that are gone (checkpoint_2025-01-02_10-00-00.000000)"),
+], ids=["empty", "cut-short", "names-a-deleted-checkpoint"])
+def test_an_unusable_ray_record_is_rebuilt_from_the_checkpoint_directories(tmp_path, damage,
+                                                                           why):
+    run_dir = tmp_path / "run"
+    names = ["checkpoint_2025-01-01_09-00-00.000000", "checkpoint_2025-01-02_10-00-00.000000",
+             "checkpoint_2025-01-02_11-00-00.000000"]
+    for name in names:
+        (run_dir / name).mkdir(parents=True)
+    (run_dir / "checkpoint_2025-01-03.json").write_text("{}")  # not a checkpoint directory
+    record = run_dir / resume.RAY_RECORD
+    assert resume.repair_record(run_dir) is None  # no record: nothing to repair
+    record.write_text("")
+    resume.repair_record(run_dir)
+    good = record.read_text()
+    assert resume.repair_record(run_dir) is None and record.read_text() == good  # left alone
+    assert ray_record_latest(run_dir) == names[-1]
+
+    damage(record)
+    damaged = record.read_bytes()
+    note = resume.repair_record(run_dir)
+    kept = [name for name in names if (run_dir / name).is_dir()]
+    assert note == (f"note: Ray Train's record of this run's checkpoints ({record}) was "
+                    f"unusable: {why} (e.g. a disk that filled up); rebuilt from the {len(kept)} "
+                    f"checkpoint directories in {run_dir}, the old one kept as "
+                    f"{resume.RAY_RECORD}.damaged")
+    assert (run_dir / f"{resume.RAY_RECORD}.damaged").read_bytes() == damaged
+    assert [result["checkpoint_dir_name"] for result in
+            json.loads(record.read_text())["checkpoint_results"]] == kept
+    assert ray_record_latest(run_dir) == names[-1]
+
+
+def test_a_checkpoint_that_would_not_fit_is_refused_before_it_is_written(tmp_path):
+    from isoloco_ray import storage
+
+    free = shutil.disk_usage(tmp_path).free
+    assert storage.checkpoint_room(tmp_path / "run", 1000) is None
+    needed = free + 1
+    assert storage.checkpoint_room(tmp_path / "run", needed) == (
+        f"{tmp_path / 'run'} has {free / 2**20:,.1f} MiB free and the checkpoint needs "
+        f"{(needed + storage.CHECKPOINT_HEADROOM) / 2**20:,.1f} MiB: free space there "
+        "(earlier checkpoints are kept) and run the same command again to resume from the "
+        "latest")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real filesystem of its own, small and resizable (a tmpfs; mounting needs root):
+    (its mount point, resize(bytes))."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+
+    def mount(size: int, *options: str) -> None:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([*options, f"size={size}"]),
+                        "tmpfs", str(disk)], check=True, capture_output=True, timeout=30)
+
+    try:
+        mount(4 << 20)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a tmpfs here ({exc}): run the suite as root for this test")
+    try:
+        yield disk, lambda size: mount(size, "remount")
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False, timeout=30)
+
+
+def test_a_full_disk_stops_the_run_before_a_checkpoint_and_the_same_command_resumes(
+        ray_cluster, small_dataset, saved_run, small_disk, capsys):
+    """Checkpoints on a disk with room for two and a half: the third is refused before any
+    byte of it is written, every rank stopping together (no restarts that would fill the disk
+    again); the checkpoints and Ray Train's record stay intact, and once there is room the
+    same command resumes and ends bit-identical to an uninterrupted run."""
+    from isoloco_ray import train
+
+    disk, resize = small_disk
+    args = ["--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64",
+            "--data.batch_size=4", "--scaling.replicas=2", "--scaling.replicas_per_worker=1",
+            "--inner.steps=2", "--run.rounds=4", "--run.checkpoint_every=1",
+            "--run.eval_every=4", "--run.eval_tokens=512", f"--run.storage_path={disk}",
+            "--run.name=full"]
+    whole = run_local(load_config(args), small_dataset)[0]["model_sha256"]
+    one = sum(path.stat().st_size for path in (saved_run / "round_000001").iterdir())
+    resize(int(2.6 * one))
+    run_dir = disk / "full"
+
+    assert train.main(args) == 1
+    err = capsys.readouterr().err
+    assert f"error: the run stopped after round 3: the checkpoint of round 3 was not written: " \
+        f"{run_dir} has " in err
+    assert "free space there (earlier checkpoints are kept) and run the same command again " \
+        "to resume from the latest" in err and "Traceback" not in err
+    saved = sorted(path for path in run_dir.glob("checkpoint_*") if path.is_dir())
+    assert [checkpoint.saved_round(path) for path in saved] == [1, 2]
+    assert all(checkpoint.checkpoint_problems(path) == [] for path in saved)
+    assert resume.repair_record(run_dir) is None  # Ray Train's record is intact
+
+    resize(5 * one)
+    assert train.main(args) == 0
+    assert "resuming" in capsys.readouterr().out
+    assert json.loads((run_dir / "summary.json").read_text())["model_sha256"] == whole
 
 
 def test_restore_sets_only_the_typed_counters(tmp_path):

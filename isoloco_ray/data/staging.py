@@ -6,7 +6,6 @@ file makes concurrent preparers of one directory prepare it once.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import uuid
@@ -14,8 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-
 from isoloco_ray.data.format import META_FILE, DataError, DatasetMeta, unexpected_entries
+from isoloco_ray.file_lock import exclusive
 
 
 # What a failed or interrupted preparation left behind, added to its exception as a note (main
@@ -111,35 +110,9 @@ def remove_stale_staging(out_dir: Path) -> None:
 
 @contextmanager
 def locked(out_dir: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``out_dir`` (a ``.NAME.lock`` file next to it): concurrent
-    processes (e.g. several Ray workers calling ensure_demo_data) prepare it once.
-
-    The lock file is deleted on the way out, still locked; a waiter that then gets the lock of
-    the deleted file sees that the name now points elsewhere (or nowhere) and locks again."""
+    """Hold an exclusive lock on ``out_dir`` (a ``.NAME.lock`` file next to it), waiting for
+    it: concurrent processes (e.g. several Ray workers calling ensure_demo_data) prepare it
+    once."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    path = out_dir.with_name(f".{out_dir.name}.lock")
-    while True:
-        lock = open(path, "a")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if _same_file(path, lock.fileno()):
-                break
-        except BaseException:
-            lock.close()
-            raise
-        lock.close()
-    try:
+    with exclusive(out_dir.with_name(f".{out_dir.name}.lock")):
         yield
-    finally:
-        path.unlink(missing_ok=True)
-        lock.close()  # releases the lock
-
-
-def _same_file(path: Path, fd: int) -> bool:
-    """Whether ``path`` still names the open file ``fd``."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return False
-    own = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from isoloco_ray import storage
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.stream import read_with_pyarrow
 from isoloco_ray.workers.loop import Metrics, Trainer, WorkerEnv
@@ -57,6 +58,8 @@ def local_env(rank: int = 0, world: int = 1,
         rank=rank, world=world, device=torch.device(device),
         read_rows=read_with_pyarrow,
         report=report, restore_from=restore_from,
+        checkpoint_room=(None if checkpoints is None else
+                         lambda needed: storage.checkpoint_room(checkpoints, needed)),
     )
 
 

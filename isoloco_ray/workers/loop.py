@@ -63,6 +63,9 @@ class WorkerEnv:
     # directory holding this rank's checkpoint files (valid only during the call).
     report: Callable[[Metrics, Path | None], None]
     restore_from: Path | None = None  # a checkpoint directory to resume from
+    # Given the bytes of a checkpoint (every rank's files), why it will not fit where it goes,
+    # or None; asked on rank 0 before each checkpoint (storage.checkpoint_room).
+    checkpoint_room: Callable[[int], str | None] | None = None
     # Test hook: called after each replica's inner steps with (round, replica).
     after_replica: Callable[[int, int], None] | None = None
 
@@ -209,6 +212,21 @@ class Trainer:
         if failed:
             rank, message = failed[0]
             raise TrainingStopped(f"worker {rank} in round {self.round + 1}: {message}")
+
+    def stop_unless_checkpoint_fits(self, directory: Path) -> None:
+        """Every rank stops together, before writing anything, when this round's checkpoint
+        (every rank's files in `directory`) will not fit where checkpoints go: half a
+        checkpoint and an unreadable Ray Train record are what a disk that fills up during a
+        checkpoint leaves, and restarts from the last checkpoint would only fill it again."""
+        if self.env.checkpoint_room is None:
+            return
+        size = sum(path.stat().st_size for path in directory.iterdir())
+        (needed,) = all_reduce_scalars([size], self.env.device)
+        problem = self.env.checkpoint_room(int(needed)) if self.env.rank == 0 else None
+        verdict = all_gather_strings(problem or "")[0]  # rank 0's, on every rank
+        if verdict:
+            raise TrainingStopped(f"the checkpoint of round {self.round} was not written: "
+                                  f"{verdict}")
 
     # -- one round -------------------------------------------------------------------------------
 
@@ -475,6 +493,7 @@ class Trainer:
             if saving:
                 with tempfile.TemporaryDirectory() as directory:
                     self.save(Path(directory))
+                    self.stop_unless_checkpoint_fits(Path(directory))
                     env.report(metrics, Path(directory))
             else:
                 env.report(metrics, None)
@@ -587,6 +606,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
             read_rows=read_with_ray_data,
             report=report,
             restore_from=restore_from,
+            checkpoint_room=lambda needed: storage.checkpoint_room(run_dir, needed),
             after_replica=kill_once_hook(loop_config.get("kill_at")),
         )
         return Trainer(cfg, data_dir, env)

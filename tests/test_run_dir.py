@@ -1,0 +1,72 @@
+"""A run's directory: one live run of it at a time, the lock gone with its holder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from isoloco_ray import storage, train
+from isoloco_ray.config import ConfigError
+
+
+def test_a_second_run_of_a_held_directory_is_refused_naming_the_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    with storage.hold_run(run_dir):
+        lock = run_dir / storage.RUN_LOCK
+        assert lock.read_text().startswith(f"pid {os.getpid()} on {socket.gethostname()}, "
+                                           "started ")
+        with pytest.raises(ConfigError) as refused:
+            storage.hold_run(run_dir)
+        assert str(refused.value) == (
+            f"run.name: {run_dir} is in use by another run ({lock.read_text().strip()}); wait "
+            "for it to end or choose another run.name. Its lock goes with that process: if it "
+            "hangs, stop it (kill the pid on that host) and run this again")
+        assert lock.exists()  # the refused one took nothing away
+    assert not run_dir.exists()  # made for the run, left empty: removed
+    (run_dir / "kept").mkdir(parents=True)
+    with storage.hold_run(run_dir):
+        pass
+    assert sorted(path.name for path in run_dir.iterdir()) == ["kept"]
+
+
+def test_the_train_command_refuses_a_run_that_is_live_before_starting_ray(
+        small_dataset, tmp_path, capsys):
+    args = ["--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64",
+            f"--run.storage_path={tmp_path}", "--run.name=live"]
+    with storage.hold_run(tmp_path / "live"):
+        assert train.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"error: run.name: {tmp_path / 'live'} is in use by "
+                                           f"another run (pid {os.getpid()} on ")
+    assert "Traceback" not in err
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_a_killed_holder_leaves_no_lock_behind(tmp_path):
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from isoloco_ray import storage\n"
+         f"with storage.hold_run(storage.location({str(run_dir)!r})):\n"
+         "    print('held', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ConfigError, match=f"pid {holder.pid} on "):
+            storage.hold_run(run_dir)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while True:  # the kernel drops the lock with the process, at once
+        try:
+            with storage.hold_run(run_dir):
+                break
+        except ConfigError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert not (run_dir / storage.RUN_LOCK).exists()
