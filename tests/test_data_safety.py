@@ -181,6 +181,51 @@ def test_shard_flipped_after_the_first_scan_is_caught(data: Path) -> None:
         check(data)
 
 
+def damage_in_place(shard: Path) -> None:
+    """Flip the bytes of the middle of `shard`, keeping its size and modification time (as a
+    failing disk or a careless tool may)."""
+    times = shard.stat()
+    raw = bytearray(shard.read_bytes())
+    for i in range(len(raw) // 4, len(raw) // 2):
+        raw[i] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    os.utime(shard, ns=(times.st_atime_ns, times.st_mtime_ns))
+
+
+def unreadable(shard: Path) -> str:
+    """The start and end of the DataError of a shard that cannot be read."""
+    return (rf"^cannot read shard {re.escape(str(shard))} \(.+\): it is missing or damaged "
+            r"\(changed in place after the dataset was verified\?\); restore it or prepare the "
+            r"dataset again, and set ISOLOCO_RAY_VERIFY_DATA=always to check every shard before "
+            r"a run$")
+
+
+def test_a_shard_damaged_in_place_stops_training_naming_it(
+        data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Size and mtime kept: the pre-flight stamp still matches (it compares those, not every
+    byte, on each run), so the damage is met where the shard is read: a DataError naming it
+    and how to check every shard, which stops the run (no restarts: they would meet it
+    again); the full scan then names it too."""
+    from isoloco_ray.config import load_config
+    from isoloco_ray.workers.local import run_local
+
+    check(data)
+    shard = split_files(data, "train")[1]  # replica 1 of 2 reads shards 1, 3, ...
+    damage_in_place(shard)
+    check(data)  # the stamp's key is unchanged
+    with pytest.raises(DataError, match=unreadable(shard)):
+        read_blocks(shard)
+    cfg = load_config(["--model.preset=tiny", "--scaling.replicas=2", "--inner.steps=2",
+                       "--run.rounds=2", "--data.seq_len=64", "--data.batch_size=4",
+                       "--run.eval_tokens=512"])
+    summary, _ = run_local(cfg, data)
+    assert summary["rounds"] == 0 and summary["error"].startswith("worker 0 in round 1: ")
+    assert re.match(unreadable(shard), summary["error"].removeprefix("worker 0 in round 1: "))
+    monkeypatch.setenv(checks.VERIFY_ENV, "always")
+    with pytest.raises(DataError, match=re.escape(str(shard))):
+        check(data)
+
+
 def test_shard_swapped_after_the_first_scan_is_caught(data: Path) -> None:
     first, second = split_files(data, "train")[:2]
     os.utime(first, ns=(OLD_NS, OLD_NS))
@@ -259,6 +304,13 @@ def test_ray_data_stream_names_the_bad_shard(ray_cluster: None, data: Path) -> N
     with pytest.raises(DataError, match=rf"{re.escape(str(bad))}: token id {vocab + 1} "):
         for _ in range(100):
             stream.next_batch()
+    # A shard damaged in place: the read task's DataError, without its traceback.
+    damaged = share.ranges[0].path
+    damage_in_place(damaged)
+    stream = ReplicaStream(share, read_with_ray_data, 64, 4, vocab_size=vocab)
+    with pytest.raises(DataError, match=unreadable(damaged)) as raised:
+        stream.next_batch()
+    assert "Traceback" not in str(raised.value) and type(raised.value) is DataError
 
 
 # --------------------------------------------------------------- 3. clear messages

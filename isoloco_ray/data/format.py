@@ -244,9 +244,20 @@ def open_shard(path: DataPath) -> pq.ParquetFile:
 
 
 def read_tokens(path: DataPath) -> pa.Table:
-    """The ``tokens`` column of one shard, local or at a URI."""
-    with open_shard(path) as shard:
-        return shard.read(columns=[TOKEN_COLUMN])
+    """The ``tokens`` column of one shard, local or at a URI. DataError naming the shard when
+    it cannot be read (missing, cut short, bytes damaged in place, not parquet): a data error
+    that a restart would only meet again."""
+    try:
+        with open_shard(path) as shard:
+            return shard.read(columns=[TOKEN_COLUMN])
+    except (OSError, pa.ArrowInvalid, KeyError) as e:
+        # One line of printable text (pyarrow's may hold newlines and the damaged bytes).
+        reason = " ".join("".join(c if c.isprintable() else " " for c in str(e)).split())
+        reason = reason or type(e).__name__
+        raise DataError(
+            f"cannot read shard {path} ({reason}): it is missing or damaged (changed in place "
+            "after the dataset was verified?); restore it or prepare the dataset again, and "
+            f"set ISOLOCO_RAY_VERIFY_DATA=always to check every shard before a run") from e
 
 
 def read_blocks(path: DataPath) -> np.ndarray:
@@ -254,10 +265,7 @@ def read_blocks(path: DataPath) -> np.ndarray:
 
     Raises DataError when the file lacks the ``tokens`` column or its rows differ in length.
     """
-    try:
-        table = read_tokens(path)
-    except (OSError, pa.ArrowInvalid, KeyError) as e:
-        raise DataError(f"cannot read shard {path}: {e}") from e
+    table = read_tokens(path)
     column = table.column(TOKEN_COLUMN).combine_chunks()
     if column.type != TOKEN_TYPE:
         raise DataError(

@@ -159,8 +159,31 @@ def read_with_ray_data(ranges: Sequence[ShardRange], rows_per_batch: int = 256
         ray_remote_args=reader_task_options())
     with closing(iter(dataset.iter_batches(batch_size=rows_per_batch, batch_format="numpy",
                                            prefetch_batches=2))) as batches:
-        for batch in batches:
-            yield ShardBlocks(np.stack(batch["tokens"]), batch[PATH_COLUMN])
+        try:
+            for batch in batches:
+                yield ShardBlocks(np.stack(batch["tokens"]), batch[PATH_COLUMN])
+        except Exception as exc:  # noqa: BLE001 - re-raised unless the read task's DataError
+            cause = data_error_in(exc)
+            if cause is None:
+                raise
+            # Its one-line message (read_tokens), without the read task's traceback that Ray's
+            # wrapper prints or the retry advice Ray Data appends on lines of its own.
+            raise DataError(str(cause).split("\n", 1)[0]) from None
+
+
+def data_error_in(exc: BaseException) -> DataError | None:
+    """The DataError a Ray task raised, from the exception it reached this process as (Ray's
+    RayTaskError subclasses it and keeps the original as `cause`; Ray Data may wrap that in
+    turn), or None."""
+    for _ in range(8):  # a few wrappers deep at most
+        wrapped = getattr(exc, "cause", None)
+        if isinstance(exc, DataError) and not isinstance(wrapped, BaseException):
+            return exc
+        inner = wrapped if isinstance(wrapped, BaseException) else exc.__cause__
+        if inner is None:
+            return None
+        exc = inner
+    return None
 
 
 def reader_task_options() -> dict[str, Any]:
