@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from isoloco_ray.strategies import STRATEGIES, option_strategies
+from isoloco_ray.strategies import STRATEGIES, OuterMerge, option_strategies
 
 ModelPreset = Literal["tiny", "demo", "178M", "512M"]
 Strategy = Literal[tuple(STRATEGIES)]  # type: ignore[valid-type]
@@ -158,12 +158,22 @@ class ScalingConfig(_Section):
                 f"scaling.workers_per_replica ({self.workers_per_replica}) > 1 spreads one "
                 "replica over several workers, so each worker hosts exactly one: set "
                 "--scaling.replicas_per_worker=1")
+        if self.min_workers is not None and self.workers_per_replica > 1:
+            raise ValueError(
+                f"scaling.min_workers ({self.min_workers}) has no effect with "
+                f"scaling.workers_per_replica ({self.workers_per_replica}) > 1: a replica spread "
+                "over several workers needs them all, so the run cannot shrink; remove it")
         if self.min_workers is not None and self.min_workers not in self.allowed_workers():
             raise ValueError(
                 f"scaling.min_workers ({self.min_workers}) must be one of "
                 f"{self.allowed_workers()}: the worker counts up to R·G/V = "
                 f"{self.num_workers} that split R = {self.replicas} replicas evenly (a replica "
                 "spread over workers_per_replica > 1 workers needs them all)")
+        if self.min_workers == self.num_workers:
+            fewer = [w for w in self.allowed_workers() if w < self.num_workers]
+            fix = f"lower it to one of {fewer} for an elastic run, or " if fewer else ""
+            raise ValueError(f"scaling.min_workers ({self.min_workers}) is R/V, the only worker "
+                             f"count it then allows, so it has no effect; {fix}remove it")
         return self
 
     def allowed_workers(self) -> list[int]:
@@ -393,6 +403,7 @@ class TrainConfig(_Section):
         if self.outer.nesterov and not self.outer.momentum:
             raise ValueError("outer.nesterov needs outer.momentum > 0; set --outer.momentum "
                              "or --outer.nesterov=false")
+        self._check_outer_effective()
         if self.outer.strategy == "tsv" and self.outer.keep_fraction is None:
             self.outer.keep_fraction = 1.0 / self.scaling.replicas
         if self.run.token_budget is not None:
@@ -426,6 +437,40 @@ class TrainConfig(_Section):
                 f"model.max_seq_len")
         return self
 
+    def _check_outer_effective(self) -> None:
+        """Refuse outer settings that would be accepted and change nothing under the others
+        (checked on resolved values: a value equal to the harmless one, as a resolved config
+        holds, passes)."""
+        outer, preset = self.outer, STRATEGIES[self.outer.strategy].paper
+        if outer.strategy == "adamw_ddp":
+            inert = [f"outer.{name}={getattr(outer, name)}" for name, harmless in
+                     (("comm_dtype", "float32"), ("topk", None), ("placement", "sharded"))
+                     if getattr(outer, name) != harmless]
+            if inert:
+                raise ValueError(f"{_have_no_effect(inert)} with adamw_ddp (it has no outer "
+                                 "sync: its gradients are all-reduced in float32 every inner "
+                                 f"step); remove {'it' if len(inert) == 1 else 'them'}")
+            return
+        if outer.lr == 0:
+            raise ValueError("outer.lr = 0 never moves the global model; set outer.lr > 0, or "
+                             "leave it unset for the strategy's value")
+        if (outer.comm_dtype == "bfloat16" and outer.placement == "replicated"
+                and outer.topk is None and not outer.error_feedback
+                and OuterMerge.of(outer).of_mean):
+            raise ValueError(f"outer.comm_dtype=bfloat16 has no effect with "
+                             f"outer.placement=replicated and outer.strategy "
+                             f"'{outer.strategy}': every worker merges the all-reduced float32 "
+                             "sum of the pseudo-gradients, so nothing is cast; use placement "
+                             "sharded or rank0 to send bfloat16, or comm_dtype float32")
+        if outer.sparsity == 0:
+            inert = [f"outer.{name}={getattr(outer, name)}"
+                     for name in ("prune", "prune_dim", "rescale")
+                     if getattr(outer, name) != preset.get(name)]
+            if inert:
+                raise ValueError(f"{_have_no_effect(inert)} with outer.sparsity=0 (every "
+                                 "entry is kept); set outer.sparsity > 0 or remove "
+                                 f"{'it' if len(inert) == 1 else 'them'}")
+
     def _check_streaming(self) -> None:
         outer, steps = self.outer, self.inner.steps
         if outer.streaming and outer.strategy == "adamw_ddp":
@@ -452,6 +497,11 @@ class TrainConfig(_Section):
 
 # ---------------------------------------------------------------------------------------------
 # Loading: defaults < YAML file < --section.field=value flags.
+
+
+def _have_no_effect(settings: list[str]) -> str:
+    """'a has no effect', 'a, b have no effect'."""
+    return f"{', '.join(settings)} {'has' if len(settings) == 1 else 'have'} no effect"
 
 
 class ConfigError(ValueError):

@@ -43,8 +43,12 @@ SEARCH_ALGOS = {"optuna": "Optuna's TPE sampler through Ray Tune's OptunaSearch"
 # Fields a search may not vary: they decide the trial's data and the resources Tune reserves
 # for it, which are checked and sized before Ray starts; vary them in grid: or trials:.
 _NOT_SEARCHED = ("data.path", "run.storage_path", "scaling.")
-# The grid names and places each trial's run itself.
-_GRID_OWNED = ("run.name",)
+# What the grid sets for each trial itself, so a grid: or trials: value would be ignored.
+_GRID_OWNED = {
+    "run.name": "is set by the grid (one run per trial); remove it",
+    "run.storage_path": "is set by the grid (every trial runs in <grid>/runs); set it in base: "
+                        "or with --run.storage_path",
+}
 
 
 class _Strict(BaseModel):
@@ -252,7 +256,7 @@ def check_field_path(path: str) -> str:
     """`path` if it names a field of TrainConfig, else ValueError with the closest one."""
     if path in FIELD_PATHS:
         if path in _GRID_OWNED:
-            raise ValueError(f"{path} is set by the grid (one run per trial); remove it")
+            raise ValueError(f"{path} {_GRID_OWNED[path]}")
         return path
     close = difflib.get_close_matches(path, FIELD_PATHS, n=1)
     hint = f"; did you mean {close[0]}?" if close else " (fields are section.field, e.g. inner.lr)"
@@ -442,11 +446,14 @@ def build_trials(grid_file: GridFile, cli_overrides: dict[str, Any], grid_dir: P
     for index, (overrides, cfg) in enumerate(zip(expanded, configs)):
         name = trial_name(index, width, cfg.outer.strategy, overrides, fields)
         trials.append(Trial(index, name, overrides, _placed(cfg, name, grid_dir / "runs")))
-    first_wandb = trials[0].config.run.wandb
+    first = trials[0].config.run
     for trial in trials:
-        if trial.config.run.wandb != first_wandb:
-            raise ConfigError(f"trial {trial.index} ({describe(trial.overrides)}): run.wandb "
-                              "must be the same for every trial of a grid; set it in base:")
+        # One W&B group and one Ray cluster (started for trial 0) serve the whole grid.
+        for field in ("wandb", "num_cpus"):
+            if getattr(trial.config.run, field) != getattr(first, field):
+                raise ConfigError(f"trial {trial.index} ({describe(trial.overrides)}): "
+                                  f"run.{field} must be the same for every trial of a grid; "
+                                  "set it in base:")
     return trials
 
 
@@ -575,6 +582,20 @@ def check_scheduler(spec: SchedulerSpec | None, trials: list[Trial]) -> None:
         raise ConfigError(f"scheduler.grace_rounds ({spec.grace_rounds}) must be below "
                           f"run.rounds ({longest}, the longest trial): no trial could be "
                           "stopped; lower grace_rounds or remove scheduler:")
+    if spec.metric.startswith("eval_") and not any(
+            _judged_rounds(trial.config.run, spec.grace_rounds) for trial in trials):
+        every = min(trial.config.run.eval_every for trial in trials)
+        raise ConfigError(f"scheduler.metric: {spec.metric} is reported every run.eval_every "
+                          f"({every}) rounds, and in no trial on a round from "
+                          f"scheduler.grace_rounds ({spec.grace_rounds}) to before its last "
+                          "round, where a trial can be stopped: lower run.eval_every or "
+                          "grace_rounds, or use metric: loss")
+
+
+def _judged_rounds(run: Any, grace_rounds: int) -> list[int]:
+    """The rounds of a trial with `run` settings at which a scheduler judging an eval_*
+    metric can stop it: evaluation rounds from `grace_rounds` on, before the last."""
+    return [r for r in range(run.eval_every, run.rounds, run.eval_every) if r >= grace_rounds]
 
 
 def grid_directory(grid_file: GridFile, cli_overrides: dict[str, Any], name: str,

@@ -70,6 +70,34 @@ def test_token_budget_sets_rounds():
     (["--outer.strategy=dare", "--outer.prune=magnitude"], "outer.prune must be 'random' for "
      "outer.strategy 'dare' (got 'magnitude'): DARE drops entries at random; for magnitude "
      "pruning use outer.strategy=ties"),
+    # Settings that would be accepted and change nothing (issue 35, item 8).
+    (["--outer.strategy=adamw_ddp", "--outer.comm_dtype=int8", "--outer.topk=0.1"],
+     "outer.comm_dtype=int8, outer.topk=0.1 have no effect with adamw_ddp (it has no outer "
+     "sync: its gradients are all-reduced in float32 every inner step); remove them"),
+    (["--outer.strategy=adamw_ddp", "--outer.placement=rank0"],
+     "outer.placement=rank0 has no effect with adamw_ddp"),
+    (["--outer.lr=0"], "outer.lr = 0 never moves the global model; set outer.lr > 0, or leave "
+                       "it unset for the strategy's value"),
+    (["--outer.comm_dtype=bfloat16", "--outer.placement=replicated"],
+     "outer.comm_dtype=bfloat16 has no effect with outer.placement=replicated and "
+     "outer.strategy 'diloco': every worker merges the all-reduced float32 sum of the "
+     "pseudo-gradients, so nothing is cast; use placement sharded or rank0 to send bfloat16, or "
+     "comm_dtype float32"),
+    (["--outer.strategy=ties", "--outer.sparsity=0", "--outer.prune_dim=row"],
+     "outer.prune_dim=row has no effect with outer.sparsity=0 (every entry is kept); set "
+     "outer.sparsity > 0 or remove it"),
+    (["--outer.strategy=dare", "--outer.sparsity=0", "--outer.rescale=false"],
+     "outer.rescale=False has no effect with outer.sparsity=0"),
+    (["--scaling.replicas=4", "--scaling.replicas_per_worker=1", "--scaling.min_workers=4"],
+     "scaling.min_workers (4) is R/V, the only worker count it then allows, so it has no "
+     "effect; lower it to one of [1, 2] for an elastic run, or remove it"),
+    (["--scaling.replicas=1", "--scaling.replicas_per_worker=1", "--scaling.min_workers=1"],
+     "scaling.min_workers (1) is R/V, the only worker count it then allows, so it has no "
+     "effect; remove it"),
+    (["--scaling.replicas=2", "--scaling.replicas_per_worker=1",
+      "--scaling.workers_per_replica=2", "--scaling.min_workers=2"],
+     "scaling.min_workers (2) has no effect with scaling.workers_per_replica (2) > 1: a replica "
+     "spread over several workers needs them all, so the run cannot shrink; remove it"),
     # Non-finite settings would train a NaN model.
     (["--inner.lr=inf"], "inner.lr: must be a finite number (got 'inf')"),
     (["--outer.lr=inf"], "outer.lr: must be a finite number (got 'inf')"),
@@ -91,6 +119,22 @@ def test_config_errors_name_the_field(args, message):
     with pytest.raises(ConfigError) as err:
         load_config(args)
     assert message in str(err.value)
+
+
+def test_settings_with_an_effect_are_accepted_and_resolved_configs_round_trip():
+    """The neighbours of the refusals above: each changes something, and a resolved config
+    (adamw_ddp's inert outer values, ties/dare presets with sparsity 0) loads again."""
+    for args in (["--outer.strategy=adamw_ddp"], ["--outer.strategy=ties", "--outer.sparsity=0"],
+                 ["--outer.strategy=dare", "--outer.sparsity=0"],
+                 ["--outer.comm_dtype=bfloat16", "--outer.placement=sharded"],
+                 ["--outer.comm_dtype=bfloat16", "--outer.placement=replicated",
+                  "--outer.strategy=tsv"],  # a merge of every Δ_r: each is sent in bfloat16
+                 ["--outer.comm_dtype=bfloat16", "--outer.placement=replicated",
+                  "--outer.error_feedback=true"],
+                 ["--scaling.replicas=4", "--scaling.replicas_per_worker=1",
+                  "--scaling.min_workers=2"]):
+        cfg = load_config(args)
+        assert TrainConfig.model_validate(cfg.model_dump()) == cfg
 
 
 def test_cli_error_exits_2_without_traceback_or_ray(capsys, no_ray):

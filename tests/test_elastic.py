@@ -32,7 +32,8 @@ def test_worker_counts_divide_the_replicas():
     ({"replicas": 8, "replicas_per_worker": 2, "min_workers": 8},
      r"scaling.min_workers \(8\) must be one of \[1, 2, 4\]"),
     ({"replicas": 2, "replicas_per_worker": 1, "workers_per_replica": 2, "min_workers": 2},
-     r"must be one of \[4\].*workers_per_replica > 1 .*needs them all"),
+     r"min_workers \(2\) has no effect with scaling.workers_per_replica \(2\) > 1: a replica "
+     r"spread over several workers needs them all, so the run cannot shrink; remove it"),
 ])
 def test_min_workers_outside_the_allowed_counts_is_refused(fields, message):
     with pytest.raises(ValidationError, match=message):

@@ -64,6 +64,13 @@ def test_dry_run_crosses_trials_with_the_grid(tmp_path, small_dataset, capsys, n
      "trial 1 (scaling.replicas=256, scaling.replicas_per_worker=2): data.batch_size (4) is "
      "more than the 3 sequences"),
     ({"grid": {"run.wandb.project": ["x"]}}, ["--run.wandb.mode=offline"], None),
+    # Axes the grid would overwrite or ignore.
+    ({"grid": {"run.storage_path": ["/tmp/a", "/tmp/b"]}}, [],
+     "grid.yaml: grid: run.storage_path is set by the grid (every trial runs in <grid>/runs); "
+     "set it in base: or with --run.storage_path"),
+    ({"trials": [{"run.num_cpus": 4}, {"run.num_cpus": 8}]}, [],
+     "trial 1 (run.num_cpus=8): run.num_cpus must be the same for every trial of a grid; set "
+     "it in base:"),
 ])
 def test_grid_errors_name_trial_and_field(tmp_path, small_dataset, capsys, no_ray, monkeypatch,
                                           sections, args, message):

@@ -47,11 +47,17 @@ CONTINUE, STOP = "CONTINUE", "STOP"
     ({"name": "asha", "grace_rounds": 2},
      "scheduler.grace_rounds (2) must be below run.rounds (2, the longest trial): no trial "
      "could be stopped; lower grace_rounds or remove scheduler:"),
+    ({"name": "asha", "grace_rounds": 1, "eval_every": 2},  # eval_every: the base's run.
+     "scheduler.metric: eval_loss is reported every run.eval_every (2) rounds, and in no trial "
+     "on a round from scheduler.grace_rounds (1) to before its last round, where a trial can be "
+     "stopped: lower run.eval_every or grace_rounds, or use metric: loss"),
 ])
 def test_bad_scheduler_settings_exit_2_before_ray(tmp_path, small_dataset, capsys, no_ray,
                                                   scheduler, message):
+    scheduler = dict(scheduler)
+    eval_every = scheduler.pop("eval_every", 1)
     path = write_grid(tmp_path, small_dataset, scheduler=scheduler)
-    assert tune.main([str(path)]) == 2
+    assert tune.main([str(path), f"--run.eval_every={eval_every}"]) == 2
     err = capsys.readouterr().err
     # (the first check of a dataset in a session prints "verifying ..." before)
     assert f"error: {message}" in err or ("\nerror: " in f"\n{err}" and message in err)
