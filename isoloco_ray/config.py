@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from isoloco_ray.strategies import STRATEGIES, OuterMerge, option_strategies
+from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, OuterMerge, option_strategies
 
 ModelPreset = Literal["tiny", "demo", "178M", "512M"]
 Strategy = Literal[tuple(STRATEGIES)]  # type: ignore[valid-type]
@@ -262,7 +262,7 @@ class OuterConfig(_Section):
     placement: Literal["sharded", "rank0", "replicated"] = Field(
         "sharded", description="who merges each tensor: sharded (owners spread over the workers, "
         "balanced by cost), rank0 (one worker merges all), replicated (every worker merges all)")
-    comm_dtype: Literal["float32", "bfloat16", "int8", "float8"] = Field(
+    comm_dtype: Literal[tuple(WIRE_FORMATS)] = Field(  # type: ignore[valid-type]
         "float32", description="how pseudo-gradients and updates travel to and from their "
         "owners: bfloat16 halves the bytes; int8 and float8 (e4m3) quarter them, one byte per "
         "entry plus a float32 scale per row (merges still run in float32 or float64 on the "
@@ -295,7 +295,7 @@ class OuterConfig(_Section):
 
     @model_validator(mode="after")
     def _check_error_feedback(self) -> OuterConfig:
-        if self.error_feedback and self.comm_dtype == "float32" and self.topk is None:
+        if self.error_feedback and WIRE_FORMATS[self.comm_dtype].lossless and self.topk is None:
             raise ValueError("outer.error_feedback corrects what the transport loses, and float32 "
                              "without outer.topk loses nothing: set outer.comm_dtype to int8, "
                              "float8 or bfloat16, or outer.topk, or turn error_feedback off")
@@ -454,14 +454,15 @@ class TrainConfig(_Section):
         if outer.lr == 0:
             raise ValueError("outer.lr = 0 never moves the global model; set outer.lr > 0, or "
                              "leave it unset for the strategy's value")
-        if (outer.comm_dtype == "bfloat16" and outer.placement == "replicated"
+        wire = WIRE_FORMATS[outer.comm_dtype]
+        if (not wire.lossless and not wire.per_replica and outer.placement == "replicated"
                 and outer.topk is None and not outer.error_feedback
-                and OuterMerge.of(outer).of_mean):
-            raise ValueError(f"outer.comm_dtype=bfloat16 has no effect with "
+                and OuterMerge.of(outer).of_mean):  # a cast, and only sums would travel
+            raise ValueError(f"outer.comm_dtype={wire.name} has no effect with "
                              f"outer.placement=replicated and outer.strategy "
                              f"'{outer.strategy}': every worker merges the all-reduced float32 "
                              "sum of the pseudo-gradients, so nothing is cast; use placement "
-                             "sharded or rank0 to send bfloat16, or comm_dtype float32")
+                             f"sharded or rank0 to send {wire.name}, or comm_dtype float32")
         if outer.sparsity == 0:
             inert = [f"outer.{name}={getattr(outer, name)}"
                      for name in ("prune", "prune_dim", "rescale")

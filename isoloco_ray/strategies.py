@@ -11,8 +11,9 @@ Two levels (docs/strategies.md has the math):
 Config validation, the outer sync (what travels, who merges), the owner plan's cost model,
 the sweep converter and the benchmarks all dispatch on the properties resolved here
 (`OuterMerge`), never on strategy names. Adding a strategy is one entry in `STRATEGIES` (plus
-its merge in `MERGES` and `aggregators` if it is a new function). No torch import: the config
-reads this before anything heavy is loaded.
+its merge in `MERGES` and its function in `aggregators.merge`'s table if it is new); a wire
+format (`outer.comm_dtype`) is one entry in `WIRE_FORMATS` and one in `workers/codec.py`. No
+torch import: the config reads this before anything heavy is loaded.
 """
 
 from __future__ import annotations
@@ -114,6 +115,24 @@ STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in (
                  "step", None, dict(inner_lr=1.95e-3, lr=0.0, momentum=0.0, nesterov=False),
                  inner_weight_decay=0.15),
 )}
+
+@dataclass(frozen=True)
+class WireFormat:
+    """One `outer.comm_dtype`: how pseudo-gradients and updates travel (workers/codec.py
+    implements each)."""
+
+    name: str
+    lossless: bool  # what arrives is what was sent (error feedback has nothing to correct)
+    per_replica: bool  # row-wise codes with a scale per row: each replica's own, not summable
+
+
+WIRE_FORMATS: dict[str, WireFormat] = {spec.name: spec for spec in (
+    WireFormat("float32", lossless=True, per_replica=False),
+    WireFormat("bfloat16", lossless=False, per_replica=False),
+    WireFormat("int8", lossless=False, per_replica=True),
+    WireFormat("float8", lossless=False, per_replica=True),
+)}
+
 
 # The outer.* settings that only strategies with an outer step take.
 OUTER_STEP_OPTIONS = ("lr", "momentum", "nesterov")

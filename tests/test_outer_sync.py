@@ -16,6 +16,7 @@ from isoloco_ray.workers.local import in_gloo_group
 from isoloco_ray.config import MODEL_PRESETS, load_config
 from isoloco_ray.workers.outer_plan import OuterPlan, assign_owners, merge_cost
 from isoloco_ray.workers.outer_sync import OuterSync
+from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, OuterMerge
 
 REPLICAS, RANKS, ROUNDS = 8, 4, 3
 PLACEMENTS = ("sharded", "rank0", "replicated")
@@ -127,8 +128,18 @@ def test_every_placement_computes_the_single_process_step(four_ranks, one_proces
                                                msg=f"{placement} {name} round {round_index}")
 
 
-MEAN_ONLY = ("diloco", "diloco_sgd", "isoc", "isoloco", "isoloco_update", "dare")
-PLAIN_MEANS = ("diloco", "diloco_sgd", "dare")  # elementwise merge, no ISO-C of the update
+def resolved(variant: str) -> OuterMerge:
+    """The registry's view of a variant (strategies.OuterMerge): what travels, who merges."""
+    return OuterMerge.of(variant_config(variant, "sharded").outer)
+
+
+def test_every_outer_strategy_and_wire_format_is_covered():
+    """The variants and transports here are read against the registries, so a new strategy
+    or wire format is tested here or this fails."""
+    merges = {resolved(variant).strategy for variant in VARIANTS}
+    assert merges == {name for name, spec in STRATEGIES.items() if spec.has_outer_step}
+    carried = {kind for *_, kind in all_runs()} | {kind for _, _, kind, _ in QUANTIZED_RUNS}
+    assert carried == set(WIRE_FORMATS)
 
 
 def expected_bytes(variant: str, placement: str, owners: dict[str, int], rank: int,
@@ -137,9 +148,9 @@ def expected_bytes(variant: str, placement: str, owners: dict[str, int], rank: i
     numel = {name: torch.Size(shape).numel() for name, shape in SHAPES.items()}
     total = sum(numel.values())
     hosted = REPLICAS // RANKS
-    mean_only = variant in MEAN_ONLY
+    mean_only = resolved(variant).of_mean
     everyone = placement == "replicated" or (
-        placement == "sharded" and variant in PLAIN_MEANS and itemsize == 4)
+        placement == "sharded" and resolved(variant).elementwise and itemsize == 4)
     if everyone:
         if mean_only:  # a float32 all-reduce of the sums, whatever comm_dtype
             return int(2 * (RANKS - 1) / RANKS * total * 4)
@@ -298,8 +309,9 @@ def test_placement_names_are_checked():
 # -- 8-bit transport with error feedback ---------------------------------------------------------
 
 TOPK = 0.25
+ROW_CODES = [name for name, spec in WIRE_FORMATS.items() if spec.per_replica]  # int8, float8
 QUANTIZED_RUNS = [(v, p, kind, None) for v in ("diloco", "isoloco", "tsv")
-                  for p in ("sharded", "replicated") for kind in ("int8", "float8")] + [
+                  for p in ("sharded", "replicated") for kind in ROW_CODES] + [
                   (v, p, kind, TOPK) for v in ("diloco", "tsv") for p in ("sharded", "replicated")
                   for kind in ("float32", "int8")]
 

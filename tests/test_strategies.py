@@ -103,3 +103,38 @@ def test_every_merge_runs_with_its_defaults():
         options = {"generator": generator} if generator is not None else {}
         merged = aggregators.merge(name, matrices, **options)
         assert merged.shape == (4, 3) and torch.isfinite(merged).all(), name
+
+
+def test_a_merge_is_one_registry_entry_and_one_implementation():
+    """aggregators.merge checks at import that every merge of strategies.MERGES has exactly one
+    implementation of its kind (spectral or elementwise), and nothing else is implemented: a
+    merge listed but not written (once run as TSV) cannot be chosen."""
+    from isoloco_ray.aggregators.merge import check_implementations
+    from isoloco_ray.strategies import MergeSpec
+
+    def spec(name: str, spectral: bool) -> MergeSpec:
+        return MergeSpec(name, {}, spectral=spectral, of_mean=True)
+
+    def impl(*args):
+        return None
+
+    check_implementations({"a": spec("a", True), "b": spec("b", False)}, {"a": impl},
+                          {"b": impl})
+    with pytest.raises(ValueError, match=r"^aggregators.merge: 'new' has no spectral "
+                                         r"implementation$"):
+        check_implementations({"new": spec("new", True)}, {}, {})
+    with pytest.raises(ValueError, match=r"'b' has no elementwise implementation \(it has one "
+                                         r"of the other kind\); 'c' is implemented but not in "
+                                         r"strategies.MERGES"):
+        check_implementations({"b": spec("b", False)}, {"b": impl}, {"c": impl})
+
+
+def test_an_unknown_merge_or_wire_format_is_refused_by_name():
+    from isoloco_ray.workers.codec import codec_for
+
+    deltas = [torch.zeros(2, 2)] * 2
+    with pytest.raises(ValueError, match="strategy"):
+        aggregators.merge("tsv2", deltas)
+    with pytest.raises(ValueError, match=r"outer.comm_dtype 'int4': use one of float32, "
+                                         r"bfloat16, int8, float8"):
+        codec_for("int4")

@@ -36,14 +36,60 @@ _BATCH_BYTES = 256 << 20
 Generators = torch.Generator | Sequence[torch.Generator] | None
 
 
+# The implementation of each merge of strategies.MERGES (checked below: one each, none
+# unlisted). Spectral: the batched float64 computation, R tensors (b, m, n) and the options in,
+# (b, m, n) out. Elementwise: one tensor's R pseudo-gradients, the options and the replicas'
+# generators in, the merged tensor out.
+SpectralMerge = Callable[[Sequence[Tensor], Mapping[str, Any]], Tensor]
+ElementwiseMerge = Callable[[list[Tensor], Mapping[str, Any], list[torch.Generator | None]],
+                            Tensor]
+_SPECTRAL: dict[str, SpectralMerge] = {
+    "isoc": lambda deltas, opts: isoc64(mean64(deltas)),
+    "isocts": lambda deltas, opts: isocts64(deltas, opts["common_fraction"]),
+    "tsv": lambda deltas, opts: tsv64(deltas, opts["keep_fraction"] or 1.0 / len(deltas),
+                                      opts["decorrelate"]),
+}
+
+
+def _sparse(deltas: list[Tensor], opts: Mapping[str, Any],
+            generators: list[torch.Generator | None]) -> Tensor:
+    return sparse_merge(deltas, sparsity=opts["sparsity"], prune=opts["prune"],
+                        prune_dim=opts["prune_dim"], rescale=opts["rescale"],
+                        disjoint=opts["disjoint"], generators=generators)
+
+
+_ELEMENTWISE: dict[str, ElementwiseMerge] = {
+    "mean": lambda deltas, opts, generators: mean64(deltas).to(deltas[0].dtype),
+    "ties": _sparse,
+    "dare": _sparse,
+}
+
+
+def check_implementations(merges: Mapping[str, Any], spectral: Mapping[str, Any],
+                          elementwise: Mapping[str, Any]) -> None:
+    """ValueError unless every merge of the registry `merges` (name -> MergeSpec) has exactly
+    one implementation, of its kind: a merge the registry lists but nobody implements, or one
+    implemented but not listed, would otherwise be found only by the run that chose it."""
+    problems = []
+    for name, spec in merges.items():
+        table, other = (spectral, elementwise) if spec.spectral else (elementwise, spectral)
+        if name not in table:
+            kind = "spectral" if spec.spectral else "elementwise"
+            problems.append(f"{name!r} has no {kind} implementation"
+                            + (" (it has one of the other kind)" if name in other else ""))
+    problems += [f"{name!r} is implemented but not in strategies.MERGES"
+                 for name in {**spectral, **elementwise} if name not in merges]
+    if problems:
+        raise ValueError("aggregators.merge: " + "; ".join(problems))
+
+
+check_implementations(MERGES, _SPECTRAL, _ELEMENTWISE)
+
+
 def _spectral(strategy: str, opts: Mapping[str, Any]) -> Callable[[Sequence[Tensor]], Tensor]:
-    """The batched float64 implementation: R tensors (b, m, n) in, (b, m, n) out."""
-    if strategy == "isoc":
-        return lambda deltas: isoc64(mean64(deltas))
-    if strategy == "isocts":
-        return lambda deltas: isocts64(deltas, opts["common_fraction"])
-    return lambda deltas: tsv64(deltas, opts["keep_fraction"] or 1.0 / len(deltas),
-                                opts["decorrelate"])
+    """The batched float64 implementation of `strategy` with its options bound."""
+    implementation = _SPECTRAL[strategy]
+    return lambda deltas: implementation(deltas, opts)
 
 
 def resolve_options(strategy: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -122,12 +168,10 @@ def _check_deltas(deltas: Sequence[Tensor] | Tensor, name: str = "") -> list[Ten
 def _merge_one(strategy: str, deltas: list[Tensor], opts: Mapping[str, Any],
                generators: list[torch.Generator | None]) -> Tensor:
     """One tensor, unbatched: the plain mean for non-2-D tensors and for "mean"."""
-    if deltas[0].dim() != 2 or strategy == "mean":
+    if deltas[0].dim() != 2:
         return mean64(deltas).to(deltas[0].dtype)
-    if strategy in ("ties", "dare"):
-        return sparse_merge(deltas, sparsity=opts["sparsity"], prune=opts["prune"],
-                            prune_dim=opts["prune_dim"], rescale=opts["rescale"],
-                            disjoint=opts["disjoint"], generators=generators)
+    if not MERGES[strategy].spectral:
+        return _ELEMENTWISE[strategy](deltas, opts, generators)
     with exact_matmul():
         merged = _spectral(strategy, opts)([d.unsqueeze(0) for d in deltas])
     return merged[0].to(deltas[0].dtype)

@@ -26,10 +26,18 @@ from dataclasses import dataclass
 
 import torch
 
+from isoloco_ray.strategies import WIRE_FORMATS
 from isoloco_ray.workers.collectives import flatten, unflatten
 
+# Each of strategies.WIRE_FORMATS, by kind: a cast to a torch dtype, or row-wise codes whose
+# largest value a row's max maps to (checked below: one implementation per format).
 CAST_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-QUANTIZED = {"int8": 127.0, "float8": 448.0}  # the largest code of each: a row's max maps here
+QUANTIZED = {"int8": 127.0, "float8": 448.0}
+if ({name for name, spec in WIRE_FORMATS.items() if spec.per_replica} != set(QUANTIZED)
+        or {name for name, spec in WIRE_FORMATS.items() if not spec.per_replica}
+        != set(CAST_DTYPES)):
+    raise ImportError("workers/codec.py implements other wire formats than "
+                      f"strategies.WIRE_FORMATS lists ({', '.join(WIRE_FORMATS)})")
 _SCALE = torch.float32
 _INDEX = torch.int32
 
@@ -183,13 +191,12 @@ Codec = CastCodec | RowQuantCodec | TopKCodec
 
 def codec_for(comm_dtype: str, topk: float | None = None) -> Codec:
     """The codec of an `outer.comm_dtype` (and `outer.topk`: sparse rows of it)."""
-    if comm_dtype in CAST_DTYPES:
-        codec: CastCodec | RowQuantCodec = CastCodec(CAST_DTYPES[comm_dtype])
-    elif comm_dtype in QUANTIZED:
-        codec = RowQuantCodec(comm_dtype)
-    else:
+    if comm_dtype not in WIRE_FORMATS:
         raise ValueError(f"outer.comm_dtype {comm_dtype!r}: use one of "
-                         f"{', '.join([*CAST_DTYPES, *QUANTIZED])}")
+                         f"{', '.join(WIRE_FORMATS)}")
+    codec: CastCodec | RowQuantCodec = (RowQuantCodec(comm_dtype)
+                                        if WIRE_FORMATS[comm_dtype].per_replica
+                                        else CastCodec(CAST_DTYPES[comm_dtype]))
     return codec if topk is None else TopKCodec(topk, codec)
 
 

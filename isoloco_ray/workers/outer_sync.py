@@ -31,7 +31,7 @@ import torch
 
 from isoloco_ray import aggregators
 from isoloco_ray.config import OuterConfig
-from isoloco_ray.strategies import OuterMerge
+from isoloco_ray.strategies import WIRE_FORMATS, OuterMerge
 from isoloco_ray.workers.codec import CastCodec
 from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
 from isoloco_ray.workers.outer_plan import OuterPlan
@@ -120,7 +120,7 @@ class OuterSync:
         # Whether every rank merges everything (see the module docstring), else owners do.
         self.everyone_merges = outer.placement == "replicated" or (
             outer.placement == "sharded" and self.resolved.elementwise
-            and outer.comm_dtype == "float32")
+            and WIRE_FORMATS[outer.comm_dtype].lossless)
         self._plans: dict[tuple[str, ...], OuterPlan] = {}
 
     @property
