@@ -485,6 +485,13 @@ class TrainConfig(_Section):
             raise ValueError(f"outer.delay ({outer.delay}) must be less than inner.steps / "
                              f"outer.fragments ({steps // outer.fragments}): a fragment's "
                              "update must land before the next fragment's sync starts")
+        if outer.delay > 0 and self.scaling.use_gpu and self.scaling.workers_per_replica > 1:
+            raise ValueError(
+                f"outer.delay ({outer.delay}) > 0 with scaling.workers_per_replica "
+                f"({self.scaling.workers_per_replica}) > 1 on GPUs: the replica's per-step "
+                "gradient all-reduce and the background outer sync would drive two NCCL "
+                "communicators from two threads at once, which NCCL does not order (a hang); "
+                "set outer.delay=0 or scaling.workers_per_replica=1")
         if outer.fragments > self.model.num_layers:
             raise ValueError(f"outer.fragments ({outer.fragments}) exceeds model.num_layers "
                              f"({self.model.num_layers}): a fragment is whole layers")

@@ -21,6 +21,7 @@ from isoloco_ray.aggregators.reference import (
     ref_tsv,
 )
 
+from isoloco_ray.strategies import MERGES
 from isoloco_ray.aggregators import (
     disjoint_merge,
     isoc,
@@ -523,3 +524,24 @@ def test_reference_sanity():
     assert rel_err(ref_tsv([delta]), delta) <= 1e-12
     assert math.isclose(torch.linalg.svdvals(ref_isoc(delta)).sum().item(),
                         torch.linalg.svdvals(delta).sum().item(), rel_tol=1e-12)
+
+
+def test_merges_change_no_process_wide_matmul_setting(monkeypatch):
+    """Every spectral merge computes in float64 (untouched by TF32 and reduced-precision
+    reductions), so it sets none of torch's global matmul flags: with outer.delay it runs on
+    a thread beside training, whose matmuls would otherwise change precision with timing."""
+    class Untouchable:
+        def __getattr__(self, name):
+            return getattr(torch.backends.cuda.matmul.__class__, name, False)
+
+        def __setattr__(self, name, value):
+            raise AssertionError(f"a merge set torch.backends.cuda.matmul.{name}")
+
+    monkeypatch.setattr(torch.backends.cuda, "matmul", Untouchable())
+    generator = torch.Generator().manual_seed(0)
+    deltas = {"w": [torch.randn(6, 4, generator=generator) for _ in range(3)],
+              "b": [torch.randn(4, generator=generator) for _ in range(3)]}
+    for name, spec in MERGES.items():
+        if spec.spectral:
+            merged = merge_all(name, deltas)
+            assert torch.isfinite(merged["w"]).all() and merged["w"].dtype == torch.float32

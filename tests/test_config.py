@@ -98,6 +98,13 @@ def test_token_budget_sets_rounds():
       "--scaling.workers_per_replica=2", "--scaling.min_workers=2"],
      "scaling.min_workers (2) has no effect with scaling.workers_per_replica (2) > 1: a replica "
      "spread over several workers needs them all, so the run cannot shrink; remove it"),
+    # Two NCCL communicators driven from two threads at once would hang (issue 31, item 2).
+    (["--scaling.use_gpu=true", "--scaling.replicas_per_worker=1",
+      "--scaling.workers_per_replica=2", "--inner.steps=4", "--outer.delay=1"],
+     "outer.delay (1) > 0 with scaling.workers_per_replica (2) > 1 on GPUs: the replica's "
+     "per-step gradient all-reduce and the background outer sync would drive two NCCL "
+     "communicators from two threads at once, which NCCL does not order (a hang); set "
+     "outer.delay=0 or scaling.workers_per_replica=1"),
     # Non-finite settings would train a NaN model.
     (["--inner.lr=inf"], "inner.lr: must be a finite number (got 'inf')"),
     (["--outer.lr=inf"], "outer.lr: must be a finite number (got 'inf')"),

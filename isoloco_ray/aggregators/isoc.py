@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from isoloco_ray.aggregators.linalg import exact_matmul, polar64
+from isoloco_ray.aggregators.linalg import polar64
 
 
 def isoc64(a: Tensor) -> Tensor:
@@ -29,6 +29,5 @@ def isoc(matrix: Tensor) -> Tensor:
     if matrix.dim() < 2:
         raise ValueError(f"isoc needs a matrix (2 or more dims); got shape {tuple(matrix.shape)}")
     batch = matrix.reshape(-1, *matrix.shape[-2:]).to(torch.float64)
-    with exact_matmul():
-        result = isoc64(batch)
+    result = isoc64(batch)
     return result.reshape(matrix.shape).to(matrix.dtype)

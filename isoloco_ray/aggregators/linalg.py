@@ -33,10 +33,9 @@ the largest; polar factors need a first-order bound of their error below ``POLAR
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -67,29 +66,6 @@ _MEAN_CHUNK_ROWS = 128
 # How the merges compute polar factors (see polar64); "auto" picks by device. Tests set it to
 # "qdwh" to run the CUDA path on CPU.
 POLAR_METHOD = "auto"
-
-
-@contextlib.contextmanager
-def exact_matmul() -> Iterator[None]:
-    """Disable TF32 (and reduced-precision reductions) while a merge runs on CUDA.
-
-    TF32 keeps 10 mantissa bits: enough to wreck any polar factor or SVD, whatever the
-    caller's global setting is for training.
-    """
-    matmul = torch.backends.cuda.matmul
-    saved = (matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             matmul.allow_fp16_reduced_precision_reduction,
-             matmul.allow_bf16_reduced_precision_reduction)
-    try:
-        matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        matmul.allow_fp16_reduced_precision_reduction = False
-        matmul.allow_bf16_reduced_precision_reduction = False
-        yield
-    finally:
-        (matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-         matmul.allow_fp16_reduced_precision_reduction,
-         matmul.allow_bf16_reduced_precision_reduction) = saved
 
 
 def eigh_desc(gram: Tensor) -> tuple[Tensor, Tensor]:
@@ -309,7 +285,8 @@ def polar_qdwh(a: Tensor, max_iter: int = _QDWH_MAX_ITER) -> Tensor:
     convergent, so the last iterate is then accurate to about eps. Zero singular values stay
     zero (a rank-deficient matrix gives its partial isometry). If it has not converged after
     `max_iter` steps (not expected in float64) the SVD result is returned, with a warning.
-    Matrix products here need full float32/float64 precision: run it under `exact_matmul`.
+    Meant for float64: TF32 and reduced-precision reductions, whatever torch's global
+    setting, never touch float64 products (`polar64`).
     """
     if a.shape[-2] < a.shape[-1]:
         return polar_qdwh(a.mT, max_iter).mT
@@ -365,8 +342,7 @@ def polar(matrix: Tensor, method: str | None = None) -> Tensor:
     if matrix.dim() < 2:
         raise ValueError(f"polar needs a matrix (2 or more dims); got shape {tuple(matrix.shape)}")
     batch = matrix.reshape(-1, *matrix.shape[-2:]).to(torch.float64)
-    with exact_matmul():
-        result = polar64(batch, method)
+    result = polar64(batch, method)
     return result.reshape(matrix.shape).to(matrix.dtype)
 
 

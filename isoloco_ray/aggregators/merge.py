@@ -20,7 +20,7 @@ from isoloco_ray.aggregators.checks import (
 )
 from isoloco_ray.aggregators.isoc import isoc64
 from isoloco_ray.aggregators.isocts import isocts64
-from isoloco_ray.aggregators.linalg import exact_matmul, mean64
+from isoloco_ray.aggregators.linalg import mean64
 from isoloco_ray.aggregators.sparsify import PRUNE_DIMS, PRUNE_METHODS, sparse_merge
 from isoloco_ray.aggregators.tsv import tsv64
 from isoloco_ray.strategies import MERGES
@@ -172,8 +172,7 @@ def _merge_one(strategy: str, deltas: list[Tensor], opts: Mapping[str, Any],
         return mean64(deltas).to(deltas[0].dtype)
     if not MERGES[strategy].spectral:
         return _ELEMENTWISE[strategy](deltas, opts, generators)
-    with exact_matmul():
-        merged = _spectral(strategy, opts)([d.unsqueeze(0) for d in deltas])
+    merged = _spectral(strategy, opts)([d.unsqueeze(0) for d in deltas])
     return merged[0].to(deltas[0].dtype)
 
 
@@ -241,8 +240,7 @@ def merge_all(strategy: str, deltas_by_name: Mapping[str, Sequence[Tensor] | Ten
             chunk = names[start:start + size]
             stacked = [torch.stack([checked[name][r] for name in chunk])
                        for r in range(replicas)]
-            with exact_matmul():
-                result = compute(stacked)
+            result = compute(stacked)
             del stacked
             for i, name in enumerate(chunk):
                 merged[name] = result[i].to(dtype)
