@@ -53,8 +53,8 @@ from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.testing import exit_after
 from isoloco_ray.workers import outer_sync
 from isoloco_ray.workers.local import in_gloo_group
-from isoloco_ray.workers.outer_plan import OuterPlan
-from isoloco_ray.workers.transport import Contributions
+from isoloco_ray.workers.outer.plan import OuterPlan
+from isoloco_ray.workers.outer.transport import Contributions
 
 OuterSync = outer_sync.OuterSync
 T = TypeVar("T")
@@ -231,7 +231,7 @@ def part2(strategies: list[str], blocks: int, seed: int) -> None:
                 seconds[s][key] += took
                 if key == "all":
                     payload = {r: {n: deltas[n][r] for n in names} for r in hosted}
-                    _, took = timed(lambda: sync._payload(payload, good, 0))
+                    _, took = timed(lambda: sync.payloads.make(payload, good, 0))
                     params = {n: torch.zeros(shape) for n in names}
                     _, applied = timed(lambda: sync.optimizer.apply(params, updates))
                     seconds[s]["shared"] += took + applied

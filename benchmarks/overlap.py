@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from isoloco_ray.config import load_config
 from isoloco_ray.data.documents import ensure_demo_data
 from isoloco_ray.workers.local import run_local
-from isoloco_ray.workers.outer_sync import OuterSync
+from isoloco_ray.workers.outer.step import OuterSync
 
 
 @contextmanager

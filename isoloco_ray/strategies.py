@@ -12,7 +12,7 @@ Config validation, the outer sync (what travels, who merges), the owner plan's c
 the sweep converter and the benchmarks all dispatch on the properties resolved here
 (`OuterMerge`), never on strategy names. Adding a strategy is one entry in `STRATEGIES` (plus
 its merge in `MERGES` and its function in `aggregators.merge`'s table if it is new); a wire
-format (`outer.comm_dtype`) is one entry in `WIRE_FORMATS` and one in `workers/codec.py`. No
+format (`outer.comm_dtype`) is one entry in `WIRE_FORMATS` and one in `workers/outer/codec.py`. No
 torch import: the config reads this before anything heavy is loaded.
 """
 
@@ -118,7 +118,7 @@ STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in (
 
 @dataclass(frozen=True)
 class WireFormat:
-    """One `outer.comm_dtype`: how pseudo-gradients and updates travel (workers/codec.py
+    """One `outer.comm_dtype`: how pseudo-gradients and updates travel (workers/outer/codec.py
     implements each)."""
 
     name: str

@@ -15,7 +15,7 @@ from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DatasetMeta, read_blocks, shard_name, write_blocks
 from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.local import StopAfterRound, run_local
-from isoloco_ray.workers.outer_sync import OuterSync
+from isoloco_ray.workers.outer.step import OuterSync
 from isoloco_ray.workers.replica import Replica
 
 RUN = ["--model.preset=tiny", "--scaling.replicas=2", "--scaling.replicas_per_worker=2",

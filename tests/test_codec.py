@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isoloco_ray.workers.codec import CastCodec, RowQuantCodec, codec_for
+from isoloco_ray.workers.outer.codec import CastCodec, RowQuantCodec, codec_for
 
 
 def sample(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:

@@ -14,7 +14,7 @@ from isoloco_ray.data.format import DataError
 from isoloco_ray.data.stream import ReplicaStream
 from isoloco_ray.workers import checkpoint, loop, replica
 from isoloco_ray.workers.local import run_local
-from isoloco_ray.workers.outer_sync import OuterSync
+from isoloco_ray.workers.outer.step import OuterSync
 
 RUN = ["--model.preset=tiny", "--scaling.replicas=2", "--scaling.replicas_per_worker=2",
        "--inner.steps=2", "--run.rounds=3", "--run.checkpoint_every=1", "--data.seq_len=64",

@@ -11,11 +11,11 @@ import zlib
 import pytest
 import torch
 
-from isoloco_ray.workers.codec import codec_for
+from isoloco_ray.workers.outer.codec import codec_for
 from isoloco_ray.workers.local import in_gloo_group
 from isoloco_ray.config import MODEL_PRESETS, load_config
-from isoloco_ray.workers.outer_plan import OuterPlan, assign_owners, merge_cost
-from isoloco_ray.workers.outer_sync import OuterSync
+from isoloco_ray.workers.outer.plan import OuterPlan, assign_owners, merge_cost
+from isoloco_ray.workers.outer.step import OuterSync
 from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, OuterMerge
 
 REPLICAS, RANKS, ROUNDS = 8, 4, 3

@@ -9,7 +9,8 @@ import torch
 from isoloco_ray import aggregators
 from isoloco_ray.config import OPTION_STRATEGIES, OuterConfig, load_config
 from isoloco_ray.strategies import MERGES, STRATEGIES, OuterMerge
-from isoloco_ray.workers.outer_sync import OuterSync, pruning_generator
+from isoloco_ray.workers.outer.payload import pruning_generator
+from isoloco_ray.workers.outer.step import OuterSync
 
 REPLICAS = 3
 
@@ -130,7 +131,7 @@ def test_a_merge_is_one_registry_entry_and_one_implementation():
 
 
 def test_an_unknown_merge_or_wire_format_is_refused_by_name():
-    from isoloco_ray.workers.codec import codec_for
+    from isoloco_ray.workers.outer.codec import codec_for
 
     deltas = [torch.zeros(2, 2)] * 2
     with pytest.raises(ValueError, match="strategy"):
@@ -138,3 +139,26 @@ def test_an_unknown_merge_or_wire_format_is_refused_by_name():
     with pytest.raises(ValueError, match=r"outer.comm_dtype 'int4': use one of float32, "
                                          r"bfloat16, int8, float8"):
         codec_for("int4")
+
+
+@pytest.mark.parametrize("flags, route", [
+    (["--outer.strategy=diloco"], "all-reduce of sums"),
+    (["--outer.strategy=dare", "--outer.placement=replicated"], "all-reduce of sums"),
+    (["--outer.strategy=diloco", "--outer.placement=replicated", "--outer.comm_dtype=int8"],
+     "all-gather of every Δ_r"),
+    (["--outer.strategy=tsv", "--outer.placement=replicated"], "all-gather of every Δ_r"),
+    (["--outer.strategy=isoc"], "sums to owners, updates back"),
+    (["--outer.strategy=diloco", "--outer.comm_dtype=bfloat16"], "sums to owners, updates back"),
+    (["--outer.strategy=diloco", "--outer.topk=0.1", "--outer.error_feedback=true"],
+     "all-gather of every Δ_r"),  # float32 values: every rank means them itself
+    (["--outer.strategy=isoc", "--outer.topk=0.1"], "every Δ_r to owners, updates back"),
+    (["--outer.strategy=tsv", "--outer.placement=rank0"], "every Δ_r to owners, updates back"),
+    (["--outer.strategy=ties", "--outer.disjoint=false"], "all-reduce of sums"),
+])
+def test_the_route_is_chosen_once_from_strategy_placement_and_wire(flags, route):
+    from isoloco_ray.workers.outer.route import Route
+
+    outer = load_config(flags).outer
+    chosen = Route.choose(outer, OuterMerge.of(outer))
+    assert chosen.name == route
+    assert OuterSync(outer, 4, seed=0).route == chosen

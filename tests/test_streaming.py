@@ -21,7 +21,7 @@ from isoloco_ray.workers.checkpoint import CheckpointError, parameters_sha256
 from isoloco_ray.workers.fragments import round_events, split_fragments
 from isoloco_ray.workers.local import StopAfterRound, run_local
 from isoloco_ray.workers.model import build_model, llama_config
-from isoloco_ray.workers.outer_sync import OuterSync
+from isoloco_ray.workers.outer.step import OuterSync
 from isoloco_ray.workers.replica import Replica, make_inner_optimizer
 
 from transformers import LlamaForCausalLM

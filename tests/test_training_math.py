@@ -8,7 +8,7 @@ import torch
 from isoloco_ray.config import load_config
 from isoloco_ray.strategies import STRATEGIES
 from isoloco_ray.workers.local import run_local
-from isoloco_ray.workers.outer_sync import OuterSync
+from isoloco_ray.workers.outer.step import OuterSync
 
 # Every strategy with an outer step, from the registry (a new one is tested by name here).
 OUTER_STEP_STRATEGIES = [name for name, spec in STRATEGIES.items() if spec.has_outer_step]

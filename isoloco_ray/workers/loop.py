@@ -36,7 +36,7 @@ from isoloco_ray.workers.export import ExportError, export_model
 from isoloco_ray.workers.fragments import round_events, split_fragments
 from isoloco_ray.workers.layout import WorkerLayout, placement_warning
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
-from isoloco_ray.workers.outer_sync import OuterStepStats, OuterSync
+from isoloco_ray.workers.outer.step import OuterStepStats, OuterSync
 from isoloco_ray.workers.overlap import Background
 from isoloco_ray.workers.replica import (Replica, inner_step, load_parameters,
                                          make_inner_optimizer, snapshot_parameters)
@@ -155,7 +155,7 @@ class Trainer:
                                                           "schedule": schedule.state_dict()})
         if not self.layout.saves_replicas:
             return  # the replica's first worker saves what all its workers hold alike
-        if self.outer.rank == 0 or not self.outer.everyone_merges:
+        if self.outer.rank == 0 or not self.outer.route.everyone_merges:
             checkpoint.save_outer_momentum(directory, self.outer.rank,
                                            self.outer.state_dict()["buffers"])
         for replica in self.replicas:

@@ -1,28 +1,19 @@
 """The outer step: R pseudo-gradients in, one update of the global parameters out.
 
-OuterSync holds the math side: which replicas are good, what each rank contributes (its
-payload), the merge, and the outer momentum; moving payloads and updates between ranks is
-the transport's job (transport.py). Communication follows the strategy (docs/design.md,
-"The outer sync"). Each rank of the outer group hosts L = R / ranks replicas and contributes,
-per tensor, a payload: the sum of its good replicas' Δ_r when the merge needs only their mean,
-every hosted Δ_r for the per-replica merges.
+Each rank of the outer group hosts L = R / ranks replicas. One step, on every rank:
 
-- Owners (rank0 placement, and sharded for merges with per-tensor work): every tensor has an
-  owner rank (outer_plan.py). The payloads go to the tensor's owner; the owner merges (in
-  float32 or float64), advances the tensor's outer momentum and computes its update u, which
-  it sends back to every rank. Outer momentum lives only with the tensor's owner (as ZeRO-1
-  shards optimizer state): 1/ranks of it per rank, sharded.
-- Everyone (replicated placement, and sharded for the elementwise means, e.g. diloco,
-  diloco_sgd, dare, sent in float32, whose merge is perfectly balanced by an all-reduce):
-  every rank gets every payload and computes every update itself.
-
-Every rank then applies θ ← θ − lr·u to all tensors, so all end bit-identical.
+1. which replicas are good (finite Δ_r and loss), agreed by all ranks;
+2. this rank's payload (payload.py), along the run's route (route.py): summed by an
+   all-reduce, gathered by every rank, or sent to each tensor's owner (plan.py);
+3. the merge of what arrived (aggregators) and the outer momentum, by every rank or by the
+   owners, who send the updates back (transport.py); outer momentum lives where the merge
+   runs: with every rank, or only with the tensor's owner (as ZeRO-1 shards optimizer state);
+4. θ ← θ − lr·u for every tensor, so all ranks end bit-identical.
 """
 
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,11 +22,12 @@ import torch
 
 from isoloco_ray import aggregators
 from isoloco_ray.config import OuterConfig
-from isoloco_ray.strategies import WIRE_FORMATS, OuterMerge
-from isoloco_ray.workers.codec import CastCodec
+from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
-from isoloco_ray.workers.outer_plan import OuterPlan
-from isoloco_ray.workers.transport import Contributions, Transport
+from isoloco_ray.workers.outer.payload import Payloads
+from isoloco_ray.workers.outer.plan import OuterPlan
+from isoloco_ray.workers.outer.route import Route
+from isoloco_ray.workers.outer.transport import Contributions, Transport
 
 
 @dataclass
@@ -60,18 +52,6 @@ class OuterStepStats:
         self.wait_seconds += other.wait_seconds
         self.dropped = sorted(set(self.dropped) | set(other.dropped))
         self.skipped = self.skipped or other.skipped
-
-
-def pruning_generator(seed: int, round_index: int, replica: int, tensor: str
-                      ) -> torch.Generator:
-    """The random-pruning stream of one replica's tensor in one round.
-
-    Keyed by all four, so the mask depends neither on the layout, nor on which rank merges
-    the tensor, nor on the order tensors are visited in, and shares nothing with the other
-    random streams (data order, init): switching strategies changes nothing else.
-    """
-    key = zlib.crc32(f"prune/{seed}/{round_index}/{replica}/{tensor}".encode())
-    return torch.Generator().manual_seed(key)
 
 
 @contextmanager
@@ -108,26 +88,13 @@ class OuterSync:
         self.resolved = OuterMerge.of(outer)
         self.merge = self.resolved.merge
         self.mean_only = self.resolved.of_mean  # the merge needs only the mean of the Δ_r
+        self.route = Route.choose(outer, self.resolved)  # chosen once: route.py
         self.transport = Transport(outer.comm_dtype, group, outer.topk)
-        # Each rank sends the sum of its Δ_r when only their mean is needed and the sum may
-        # travel as is; quantised or error-corrected payloads are every replica's own, so
-        # what each replica loses to quantisation is its own (and the same in any layout).
-        self.sends_sums = self.mean_only and not (
-            self.per_replica_codes or outer.error_feedback)
+        self.payloads = Payloads(outer, self.resolved, self.route, self.transport.codec, seed)
         self.optimizer = aggregators.OuterOptimizer(
             lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov,
             orthogonalize_update=self.resolved.orthogonalize_update)
-        # Whether every rank merges everything (see the module docstring), else owners do.
-        self.everyone_merges = outer.placement == "replicated" or (
-            outer.placement == "sharded" and self.resolved.elementwise
-            and WIRE_FORMATS[outer.comm_dtype].lossless)
         self._plans: dict[tuple[str, ...], OuterPlan] = {}
-
-    @property
-    def per_replica_codes(self) -> bool:
-        """Whether payloads travel as codes of each row (outer.comm_dtype int8 or float8, or
-        outer.topk), which are every replica's own."""
-        return not isinstance(self.transport.codec, CastCodec)
 
     def plan(self, shapes: Mapping[str, torch.Size]) -> OuterPlan:
         """Owners of the tensors of `shapes`, the whole model or one fragment of it (built on
@@ -141,7 +108,7 @@ class OuterSync:
 
     def holds_momentum(self, name: str) -> bool:
         """Whether this rank keeps the momentum of tensor `name`."""
-        if self.everyone_merges:
+        if self.route.everyone_merges:
             return True
         return any(plan.owners.get(name) == self.rank for plan in self._plans.values())
 
@@ -176,7 +143,7 @@ class OuterSync:
         every rank alike, and the merge uses the others (the mean divides by their number).
         With none left the round is skipped: parameters and momentum stay as they were.
         `feedback` (outer.error_feedback): each hosted replica's residual, added to its Δ_r
-        before it is sent and replaced by what the transport loses of that (see `_payload`);
+        before it is sent and replaced by what the transport loses of that (payload.py);
         a dropped replica's is kept as it was.
         """
         stats = OuterStepStats()
@@ -188,10 +155,10 @@ class OuterSync:
         plan = self.plan({name: t.shape for name, t in global_params.items()})
         device = next(iter(global_params.values())).device
         with stopwatch(stats, "merge_seconds", device):
-            payload = self._payload(hosted, good, round_index, feedback)
-        if self.everyone_merges:
+            payload = self.payloads.make(hosted, good, round_index, feedback)
+        if self.route.everyone_merges:
             with stopwatch(stats, "comm_seconds", device):
-                contributions = self.transport.everything(payload, summed=self.sends_sums)
+                contributions = self.transport.everything(payload, summed=self.route.sums)
             with stopwatch(stats, "merge_seconds", device):
                 updates = self._updates(contributions, good, round_index)
         else:
@@ -220,63 +187,12 @@ class OuterSync:
         summed = all_reduce_scalars(flags, device, self.group)
         return [r for r, flag in enumerate(summed) if flag > 0.5]
 
-    def _payload(self, hosted: Mapping[int, Mapping[str, torch.Tensor]], good: Sequence[int],
-                 round_index: int,
-                 feedback: Mapping[int, dict[str, torch.Tensor]] | None = None
-                 ) -> dict[str, list[torch.Tensor]]:
-        """Per tensor, what this rank sends: [Σ of its good replicas' Δ_r] (`sends_sums`), or
-        every hosted Δ_r in replica order (bad ones too; the merge leaves them out). With
-        `feedback`, replica r sends x = Δ_r + e_r (pruned first where the mean of pruned Δ_r
-        is merged) and keeps e_r ← x − decode(encode(x)): what the wire lost this round is
-        sent with the next round's."""
-        order = sorted(hosted)
-        names = list(hosted[order[0]])
-        if not self.sends_sums:
-            sent = {r: dict(hosted[r]) for r in order}
-            for r in order:
-                if feedback is not None and r in good:
-                    residuals = feedback[r]  # of every tensor; `hosted` may be one fragment
-                    for name in sent[r]:
-                        if name in residuals:
-                            sent[r][name] = sent[r][name] + residuals[name]
-                if self.resolved.prune_where_hosted and r in good:
-                    sent[r] = {name: self._pruned(delta, round_index, r, name)
-                               for name, delta in sent[r].items()}
-                if feedback is not None and r in good:
-                    feedback[r].update({name: x - self.transport.codec.roundtrip(x)
-                                        for name, x in sent[r].items()})
-            return {name: [sent[r][name] for r in order] for name in names}
-        payload = {}
-        for name in names:
-            total = torch.zeros_like(hosted[order[0]][name])
-            for replica in order:
-                if replica not in good:
-                    continue
-                delta = hosted[replica][name]
-                if self.resolved.prune_where_hosted:
-                    # A mean of sparsified Δ_r needs only their sum: prune where hosted.
-                    delta = self._pruned(delta, round_index, replica, name)
-                total += delta
-            payload[name] = [total]
-        return payload
-
-    def _pruned(self, delta: torch.Tensor, round_index: int, replica: int, name: str
-                ) -> torch.Tensor:
-        """Replica `replica`'s Δ of tensor `name` sparsified as the merge prescribes (matrices
-        only; other tensors as they are)."""
-        if delta.dim() != 2:
-            return delta
-        return aggregators.sparsify(
-            delta, self.outer.sparsity, prune=self.outer.prune, prune_dim=self.outer.prune_dim,
-            rescale=self.outer.rescale,
-            generator=self._pruning_generators(round_index, [replica], name)[0])
-
     # -- merging -------------------------------------------------------------------------------
 
     def _updates(self, contributions: Contributions, good: Sequence[int], round_index: int
                  ) -> dict[str, torch.Tensor]:
         """The outer update u of every tensor in `contributions`: merge, then momentum."""
-        if self.sends_sums:
+        if self.route.sums:
             means = {}
             for name, sources in contributions.items():
                 total = sources[0][0].to(torch.float32, copy=True)
@@ -312,15 +228,6 @@ class OuterSync:
             # Each replica's mask from its own stream (see pruning_generator): tensor by tensor.
             return {name: aggregators.merge(
                 self.merge, deltas, **options,
-                generator=self._pruning_generators(round_index, good, name))
+                generator=self.payloads.generators(round_index, good, name))
                 for name, deltas in gathered.items()}
         return aggregators.merge_all(self.merge, gathered, **options)
-
-    def _pruning_generators(self, round_index: int, replicas: Sequence[int], tensor: str
-                            ) -> list[torch.Generator | None]:
-        """The random-pruning stream of each of `replicas` for `tensor` this round (None when
-        pruning is by magnitude), wherever the mask is drawn: on the replica's host or at the
-        tensor's owner."""
-        if self.outer.prune != "random":
-            return [None] * len(replicas)
-        return [pruning_generator(self.seed, round_index, r, tensor) for r in replicas]

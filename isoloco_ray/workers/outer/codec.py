@@ -36,7 +36,7 @@ QUANTIZED = {"int8": 127.0, "float8": 448.0}
 if ({name for name, spec in WIRE_FORMATS.items() if spec.per_replica} != set(QUANTIZED)
         or {name for name, spec in WIRE_FORMATS.items() if not spec.per_replica}
         != set(CAST_DTYPES)):
-    raise ImportError("workers/codec.py implements other wire formats than "
+    raise ImportError("workers/outer/codec.py implements other wire formats than "
                       f"strategies.WIRE_FORMATS lists ({', '.join(WIRE_FORMATS)})")
 _SCALE = torch.float32
 _INDEX = torch.int32

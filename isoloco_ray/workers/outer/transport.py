@@ -24,11 +24,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from isoloco_ray.workers.codec import codec_for
+from isoloco_ray.workers.outer.codec import codec_for
 from isoloco_ray.workers.collectives import (Group, TrafficCounter, all_gather_flat,
                                              all_reduce_sum, all_to_all_flat, broadcast_flat,
                                              buckets, group_rank, group_size)
-from isoloco_ray.workers.outer_plan import OuterPlan
+from isoloco_ray.workers.outer.plan import OuterPlan
 
 Payload = Mapping[str, list[torch.Tensor]]
 # name -> (source rank -> that rank's payload tensors of the name)

@@ -1,0 +1,100 @@
+"""What a rank of the outer group sends of its hosted replicas' Δ_r in one outer step.
+
+Per tensor: [Σ of its good replicas' Δ_r] when the route sends sums (route.py), or every hosted
+Δ_r in replica order. Pruned where hosted when the merge is a mean of sparsified Δ_r (TIES/DARE
+without the disjoint step), and corrected by error feedback when that is on.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from isoloco_ray import aggregators
+from isoloco_ray.config import OuterConfig
+from isoloco_ray.strategies import OuterMerge
+from isoloco_ray.workers.outer.codec import Codec
+from isoloco_ray.workers.outer.route import Route
+
+
+def pruning_generator(seed: int, round_index: int, replica: int, tensor: str
+                      ) -> torch.Generator:
+    """The random-pruning stream of one replica's tensor in one round.
+
+    Keyed by all four, so the mask depends neither on the layout, nor on which rank merges
+    the tensor, nor on the order tensors are visited in, and shares nothing with the other
+    random streams (data order, init): switching strategies changes nothing else.
+    """
+    key = zlib.crc32(f"prune/{seed}/{round_index}/{replica}/{tensor}".encode())
+    return torch.Generator().manual_seed(key)
+
+
+class Payloads:
+    """Makes this rank's payload each outer step (stateless: error-feedback residuals are the
+    replicas' own, passed in)."""
+
+    def __init__(self, outer: OuterConfig, merge: OuterMerge, route: Route, codec: Codec,
+                 seed: int) -> None:
+        self.outer, self.merge, self.route, self.codec, self.seed = (outer, merge, route,
+                                                                     codec, seed)
+
+    def make(self, hosted: Mapping[int, Mapping[str, torch.Tensor]], good: Sequence[int],
+             round_index: int, feedback: Mapping[int, dict[str, torch.Tensor]] | None = None
+             ) -> dict[str, list[torch.Tensor]]:
+        """Per tensor, what this rank sends: [Σ of its good replicas' Δ_r] (the route sends
+        sums), or every hosted Δ_r in replica order (bad ones too; the merge leaves them out).
+        With `feedback`, replica r sends x = Δ_r + e_r (pruned first where the mean of pruned
+        Δ_r is merged) and keeps e_r ← x − decode(encode(x)): what the wire lost this round is
+        sent with the next round's."""
+        order = sorted(hosted)
+        names = list(hosted[order[0]])
+        if not self.route.sums:
+            sent = {r: dict(hosted[r]) for r in order}
+            for r in order:
+                if feedback is not None and r in good:
+                    residuals = feedback[r]  # of every tensor; `hosted` may be one fragment
+                    for name in sent[r]:
+                        if name in residuals:
+                            sent[r][name] = sent[r][name] + residuals[name]
+                if self.merge.prune_where_hosted and r in good:
+                    sent[r] = {name: self.pruned(delta, round_index, r, name)
+                               for name, delta in sent[r].items()}
+                if feedback is not None and r in good:
+                    feedback[r].update({name: x - self.codec.roundtrip(x)
+                                        for name, x in sent[r].items()})
+            return {name: [sent[r][name] for r in order] for name in names}
+        payload = {}
+        for name in names:
+            total = torch.zeros_like(hosted[order[0]][name])
+            for replica in order:
+                if replica not in good:
+                    continue
+                delta = hosted[replica][name]
+                if self.merge.prune_where_hosted:
+                    # A mean of sparsified Δ_r needs only their sum: prune where hosted.
+                    delta = self.pruned(delta, round_index, replica, name)
+                total += delta
+            payload[name] = [total]
+        return payload
+
+    def pruned(self, delta: torch.Tensor, round_index: int, replica: int, name: str
+               ) -> torch.Tensor:
+        """Replica `replica`'s Δ of tensor `name` sparsified as the merge prescribes (matrices
+        only; other tensors as they are)."""
+        if delta.dim() != 2:
+            return delta
+        return aggregators.sparsify(
+            delta, self.outer.sparsity, prune=self.outer.prune, prune_dim=self.outer.prune_dim,
+            rescale=self.outer.rescale,
+            generator=self.generators(round_index, [replica], name)[0])
+
+    def generators(self, round_index: int, replicas: Sequence[int], tensor: str
+                   ) -> list[torch.Generator | None]:
+        """The random-pruning stream of each of `replicas` for `tensor` this round (None when
+        pruning is by magnitude), wherever the mask is drawn: on the replica's host or at the
+        tensor's owner."""
+        if self.outer.prune != "random":
+            return [None] * len(replicas)
+        return [pruning_generator(self.seed, round_index, r, tensor) for r in replicas]
