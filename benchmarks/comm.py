@@ -51,12 +51,11 @@ from isoloco_ray.config import OuterConfig, load_config
 from isoloco_ray.strategies import STRATEGIES as STRATEGY_SPECS
 from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.testing import exit_after
-from isoloco_ray.workers import outer_sync
 from isoloco_ray.workers.local import in_gloo_group
 from isoloco_ray.workers.outer.plan import OuterPlan
+from isoloco_ray.workers.outer.step import OuterSync
 from isoloco_ray.workers.outer.transport import Contributions
 
-OuterSync = outer_sync.OuterSync
 T = TypeVar("T")
 
 REPLICAS = 8

@@ -95,7 +95,7 @@ class Replica:
     schedule: torch.optim.lr_scheduler.LambdaLR
     stream: ReplicaStream
     # outer.error_feedback: what the outer sync's transport lost of this replica's
-    # pseudo-gradients so far, sent with the next one (outer_sync.py); empty when off.
+    # pseudo-gradients so far, sent with the next one (outer/payload.py); empty when off.
     feedback: dict[str, torch.Tensor]
     # Whether every inner loss since the last sync started was finite (else the replica is
     # left out of the next merge).

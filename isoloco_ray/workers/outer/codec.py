@@ -15,7 +15,7 @@
   indices (`TopKCodec`); the rest arrive as zeros.
 
 A codec is pure tensor math (no collectives): `roundtrip(x)` is exactly what the receiver
-decodes, which error feedback (outer_sync.py) needs to know what was lost.
+decodes, which error feedback (payload.py) needs to know what was lost.
 """
 
 from __future__ import annotations
