@@ -12,17 +12,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from isoloco_ray import aggregators
-from isoloco_ray.config import TrainConfig, load_config
-from isoloco_ray.data.format import DatasetMeta
-from isoloco_ray.data.stream import ReplicaStream, read_with_pyarrow, replica_share
+from isoloco_ray.config import load_config
 from isoloco_ray.strategies import STRATEGIES, OuterMerge
+from isoloco_ray.workers import plain_loop
 from isoloco_ray.workers.checkpoint import CheckpointError, parameters_sha256
 from isoloco_ray.workers.fragments import round_events, split_fragments
 from isoloco_ray.workers.local import StopAfterRound, run_local
-from isoloco_ray.workers.model import build_model, llama_config
-from isoloco_ray.workers.outer.step import OuterSync
-from isoloco_ray.workers.replica import Replica, make_inner_optimizer
+from isoloco_ray.workers.model import llama_config
+from isoloco_ray.workers.replica import Replica
 
 from transformers import LlamaForCausalLM
 
@@ -140,79 +137,10 @@ def test_old_checkpoints_configs_resume_with_the_streaming_defaults():
     assert config_differences(saved, cfg) == ["outer.strategy"]
 
 
-# -- the plain-PyTorch reference -----------------------------------------------------------------
+# -- the plain loop (workers/plain_loop.py) against the Trainer ---------------------------------
 
 
-def reference_replicas(cfg: TrainConfig, data_dir) -> list[tuple]:
-    """Every replica of a reference loop: (its model, AdamW with its LR schedule, its data
-    stream), the model starting from the run's seed."""
-    replicas, total = cfg.scaling.replicas, cfg.run.rounds * cfg.inner.steps
-    vocab = DatasetMeta.load(data_dir).vocab_size
-    out = []
-    for r in range(replicas):
-        model = build_model(cfg.model, vocab, cfg.run.seed)
-        out.append((model, make_inner_optimizer(model, cfg.inner, total),
-                    ReplicaStream(replica_share(data_dir, r, replicas), read_with_pyarrow,
-                                  cfg.data.seq_len, cfg.data.batch_size, vocab_size=vocab)))
-    return out
-
-
-def reference_inner_step(cfg: TrainConfig, model, optimizer_and_schedule, stream) -> None:
-    """One inner AdamW step on a whole batch, the gradient clipped as the loop clips it."""
-    optimizer, schedule = optimizer_and_schedule
-    optimizer.zero_grad(set_to_none=True)
-    batch = stream.next_batch()
-    model(input_ids=batch, labels=batch).loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.clip)
-    optimizer.step()
-    schedule.step()
-
-
-def reference_streaming(cfg: TrainConfig, data_dir) -> dict[str, torch.Tensor]:
-    """The streaming semantics written straight from docs/strategies.md, one process: every
-    replica a model of its own stepping in lockstep; after global inner step t, fragment p's
-    pseudo-gradients are taken when (t − p·H/P) % H == 0, and `delay` steps later (or after
-    the last step) their merge moves the global fragment by the outer optimizer and each
-    replica's fragment becomes mix·local + (1 − mix)·global."""
-    outer, steps = cfg.outer, cfg.inner.steps
-    fragments, delay, mix = outer.fragments, outer.delay, outer.mix
-    total = cfg.run.rounds * steps
-    replicas = reference_replicas(cfg, data_dir)
-    models = [model for model, _, _ in replicas]
-    theta = {n: p.detach().clone() for n, p in models[0].named_parameters()}
-    parts = split_fragments({n: t.shape for n, t in theta.items()}, fragments)
-    resolved = OuterMerge.of(outer)
-    options = {key: getattr(outer, key) for key in resolved.options}
-    outer_opt = aggregators.OuterOptimizer(outer.lr, outer.momentum, outer.nesterov,
-                                           resolved.orthogonalize_update)
-    local = [dict(m.named_parameters()) for m in models]
-
-    @torch.no_grad()
-    def land(part, deltas):
-        merged = aggregators.merge_all(resolved.merge, {n: [d[n] for d in deltas]
-                                                        for n in part}, **options)
-        outer_opt.step({n: theta[n] for n in part}, merged)
-        for params in local:
-            for n in part:
-                params[n].copy_(mix * params[n] + (1 - mix) * theta[n])
-
-    pending = []  # (lands after step, fragment, Δ_r of every replica)
-    for t in range(1, total + 1):
-        for replica in replicas:
-            reference_inner_step(cfg, *replica)
-        for p in range(fragments):
-            if (t - p * steps // fragments) % steps == 0:
-                deltas = [{n: (theta[n] - params[n]).detach() for n in parts[p]}
-                          for params in local]
-                pending.append((t + delay, p, deltas))
-        for due in [item for item in pending if item[0] == t]:
-            pending.remove(due)
-            land(parts[due[1]], due[2])
-    for _, p, deltas in pending:  # after the last step, what is in flight lands
-        land(parts[p], deltas)
-    return theta
-
-
+# A small streaming run: 2 fragments, delay 1, mix 0.5, whole batches (as the reference).
 STREAMING = ["--model.preset=tiny", "--scaling.replicas=2", "--inner.steps=4",
              "--run.rounds=3", "--data.seq_len=64", "--data.batch_size=4",
              "--data.micro_batch_size=4", "--run.eval_tokens=512", "--run.eval_every=3",
@@ -231,7 +159,7 @@ def test_streaming_matches_the_plain_reference(small_dataset, strategy, layout):
     """The real implementation (replicas taking turns in one process, or one per gloo rank
     with the sync in a background thread and its own process group) against the reference."""
     cfg = load_config(STREAMING + [f"--outer.strategy={strategy}", *layout])
-    expected = reference_streaming(cfg, small_dataset)
+    expected = plain_loop.streaming_run(cfg, small_dataset)
     summary, params = run_local(cfg, small_dataset)
     assert params.keys() == expected.keys()
     for name in expected:
@@ -247,7 +175,7 @@ def test_delay_changes_the_result_and_mix_keeps_local_progress(small_dataset):
         cfg = base.model_copy(deep=True)
         cfg.outer.delay, cfg.outer.mix = delay, mix
         _, params = run_local(cfg, small_dataset)
-        expected = reference_streaming(cfg, small_dataset)
+        expected = plain_loop.streaming_run(cfg, small_dataset)
         for name in expected:
             torch.testing.assert_close(params[name], expected[name], rtol=0, atol=2e-6)
         results[delay, mix] = parameters_sha256(params)
@@ -255,32 +183,6 @@ def test_delay_changes_the_result_and_mix_keeps_local_progress(small_dataset):
 
 
 # -- off is the plain outer step, bit for bit ------------------------------------------------
-
-
-def reference_plain(cfg: TrainConfig, data_dir) -> dict[str, torch.Tensor]:
-    """DiLoCo without streaming, written plainly in one process: every replica a model of its
-    own taking H inner steps on whole batches, then one outer step of the package's OuterSync
-    (its merges, codecs and error feedback are checked against plain references of their own
-    in test_aggregators, test_codec and test_outer_sync) on every Δ_r, and every replica
-    starting again from θ. The same arithmetic as the training loop with its streaming
-    settings off, so the two agree bit for bit on any CPU."""
-    replicas = reference_replicas(cfg, data_dir)
-    models = [model for model, _, _ in replicas]
-    theta = {n: p.detach().clone() for n, p in models[0].named_parameters()}
-    outer = OuterSync(cfg.outer, len(replicas), cfg.run.seed)
-    feedback = {r: {} for r in range(len(replicas))} if cfg.outer.error_feedback else None
-    for round_index in range(cfg.run.rounds):
-        for replica in replicas:
-            for _ in range(cfg.inner.steps):
-                reference_inner_step(cfg, *replica)
-        with torch.no_grad():
-            deltas = {r: {n: theta[n] - p for n, p in model.named_parameters()}
-                      for r, model in enumerate(models)}
-            outer.step(theta, deltas, round_index, feedback=feedback)
-            for model in models:
-                for n, p in model.named_parameters():
-                    p.copy_(theta[n])
-    return theta
 
 
 # Whole batches (micro_batch_size = batch_size), as the reference takes them.
@@ -295,13 +197,13 @@ TINY = ["--model.preset=tiny", "--inner.steps=3", "--run.rounds=2", "--data.seq_
     ("isocts --outer.comm_dtype=bfloat16", 2), ("dare --outer.comm_dtype=float8", 2)])
 def test_one_fragment_without_delay_or_mix_is_the_plain_outer_step_bit_for_bit(
         small_dataset, strategy, per_worker):
-    """4 replicas in one process, or 2 on each of 2 gloo ranks, against `reference_plain`."""
+    """4 replicas in one process, or 2 on each of 2 gloo ranks, against `plain_loop.run`."""
     name, *options = strategy.split()
     cfg = load_config(TINY + [f"--scaling.replicas_per_worker={per_worker}",
                               f"--outer.strategy={name}", *options,
                               "--outer.fragments=1", "--outer.delay=0", "--outer.mix=0"])
     _, params = run_local(cfg, small_dataset)
-    expected = reference_plain(cfg, small_dataset)
+    expected = plain_loop.run(cfg, small_dataset)
     assert params.keys() == expected.keys()
     summed_over_ranks = per_worker < 4 and OuterMerge.of(cfg.outer).of_mean and \
         cfg.outer.comm_dtype == "float32"

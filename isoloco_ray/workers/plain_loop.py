@@ -1,0 +1,124 @@
+"""DiLoCo written plainly, in one process: the algorithm of docs/strategies.md on a page.
+
+Every replica is a model of its own with its AdamW, LR schedule and data stream; each takes H
+inner steps on whole batches; then one outer step of the package's OuterSync (its merges,
+codecs and error feedback are checked against plain references of their own in the tests)
+turns every Δ_r = θ − θ_r into the update of θ, and every replica starts again from θ.
+`streaming_run` is the same with the streaming settings (outer.fragments, delay, mix) written
+straight from their definition.
+
+Not how a run trains (workers/loop.py's Trainer: replicas taking turns in one scratch model,
+micro-batches, process groups, checkpoints, a background sync), but what it computes: the
+tests hold the Trainer, in every layout, to these loops, bit for bit where the arithmetic is
+the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from isoloco_ray import aggregators
+from isoloco_ray.config import TrainConfig
+from isoloco_ray.data.format import DataDir, DatasetMeta
+from isoloco_ray.data.stream import ReplicaStream, read_with_pyarrow, replica_share
+from isoloco_ray.strategies import OuterMerge
+from isoloco_ray.workers.fragments import split_fragments
+from isoloco_ray.workers.model import build_model
+from isoloco_ray.workers.outer.step import OuterSync
+from isoloco_ray.workers.replica import make_inner_optimizer
+
+
+def make_replicas(cfg: TrainConfig, data_dir: DataDir) -> list[tuple]:
+    """Every replica of a reference loop: (its model, AdamW with its LR schedule, its data
+    stream), the model starting from the run's seed."""
+    replicas, total = cfg.scaling.replicas, cfg.run.rounds * cfg.inner.steps
+    vocab = DatasetMeta.load(data_dir).vocab_size
+    out = []
+    for r in range(replicas):
+        model = build_model(cfg.model, vocab, cfg.run.seed)
+        out.append((model, make_inner_optimizer(model, cfg.inner, total),
+                    ReplicaStream(replica_share(data_dir, r, replicas), read_with_pyarrow,
+                                  cfg.data.seq_len, cfg.data.batch_size, vocab_size=vocab)))
+    return out
+
+
+def inner_step(cfg: TrainConfig, model, optimizer_and_schedule, stream) -> None:
+    """One inner AdamW step on a whole batch, the gradient clipped as the loop clips it."""
+    optimizer, schedule = optimizer_and_schedule
+    optimizer.zero_grad(set_to_none=True)
+    batch = stream.next_batch()
+    model(input_ids=batch, labels=batch).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.clip)
+    optimizer.step()
+    schedule.step()
+
+
+def streaming_run(cfg: TrainConfig, data_dir: DataDir) -> dict[str, torch.Tensor]:
+    """The streaming semantics written straight from docs/strategies.md, one process: every
+    replica a model of its own stepping in lockstep; after global inner step t, fragment p's
+    pseudo-gradients are taken when (t − p·H/P) % H == 0, and `delay` steps later (or after
+    the last step) their merge moves the global fragment by the outer optimizer and each
+    replica's fragment becomes mix·local + (1 − mix)·global."""
+    outer, steps = cfg.outer, cfg.inner.steps
+    fragments, delay, mix = outer.fragments, outer.delay, outer.mix
+    total = cfg.run.rounds * steps
+    replicas = make_replicas(cfg, data_dir)
+    models = [model for model, _, _ in replicas]
+    theta = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    parts = split_fragments({n: t.shape for n, t in theta.items()}, fragments)
+    resolved = OuterMerge.of(outer)
+    options = {key: getattr(outer, key) for key in resolved.options}
+    outer_opt = aggregators.OuterOptimizer(outer.lr, outer.momentum, outer.nesterov,
+                                           resolved.orthogonalize_update)
+    local = [dict(m.named_parameters()) for m in models]
+
+    @torch.no_grad()
+    def land(part, deltas):
+        merged = aggregators.merge_all(resolved.merge, {n: [d[n] for d in deltas]
+                                                        for n in part}, **options)
+        outer_opt.step({n: theta[n] for n in part}, merged)
+        for params in local:
+            for n in part:
+                params[n].copy_(mix * params[n] + (1 - mix) * theta[n])
+
+    pending = []  # (lands after step, fragment, Δ_r of every replica)
+    for t in range(1, total + 1):
+        for replica in replicas:
+            inner_step(cfg, *replica)
+        for p in range(fragments):
+            if (t - p * steps // fragments) % steps == 0:
+                deltas = [{n: (theta[n] - params[n]).detach() for n in parts[p]}
+                          for params in local]
+                pending.append((t + delay, p, deltas))
+        for due in [item for item in pending if item[0] == t]:
+            pending.remove(due)
+            land(parts[due[1]], due[2])
+    for _, p, deltas in pending:  # after the last step, what is in flight lands
+        land(parts[p], deltas)
+    return theta
+
+
+def run(cfg: TrainConfig, data_dir: DataDir) -> dict[str, torch.Tensor]:
+    """DiLoCo without streaming, written plainly in one process: every replica a model of its
+    own taking H inner steps on whole batches, then one outer step of the package's OuterSync
+    (its merges, codecs and error feedback are checked against plain references of their own
+    in test_aggregators, test_codec and test_outer_sync) on every Δ_r, and every replica
+    starting again from θ. The same arithmetic as the training loop with its streaming
+    settings off, so the two agree bit for bit on any CPU."""
+    replicas = make_replicas(cfg, data_dir)
+    models = [model for model, _, _ in replicas]
+    theta = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    outer = OuterSync(cfg.outer, len(replicas), cfg.run.seed)
+    feedback = {r: {} for r in range(len(replicas))} if cfg.outer.error_feedback else None
+    for round_index in range(cfg.run.rounds):
+        for replica in replicas:
+            for _ in range(cfg.inner.steps):
+                inner_step(cfg, *replica)
+        with torch.no_grad():
+            deltas = {r: {n: theta[n] - p for n, p in model.named_parameters()}
+                      for r, model in enumerate(models)}
+            outer.step(theta, deltas, round_index, feedback=feedback)
+            for model in models:
+                for n, p in model.named_parameters():
+                    p.copy_(theta[n])
+    return theta
