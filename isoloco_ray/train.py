@@ -106,11 +106,16 @@ def with_cpus_per_worker(cfg: TrainConfig, saved: dict[str, Any] | None = None) 
 def start_ray(cfg: TrainConfig, *, dashboard: bool = False) -> None:
     """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), or start a local one
     with more logical CPUs than cores: Ray Data's read tasks need slots beside the workers;
-    then check it has the GPUs the run asks for (`check_gpus`). An unset
-    scaling.cpus_per_worker counts as 1 here (main resolves it first). `dashboard`: a local
-    cluster also runs Ray's dashboard (on 127.0.0.1), which serves the state API."""
+    then check it has the GPUs the run asks for (`check_gpus`) and that CUDA works on them
+    (`cuda_check`). An unset scaling.cpus_per_worker counts as 1 here (main resolves it
+    first). `dashboard`: a local cluster also runs Ray's dashboard (on 127.0.0.1), which
+    serves the state API."""
     _join_or_start_ray(cfg, dashboard)
     check_gpus(cfg, joined=joined_cluster())
+    if cfg.scaling.use_gpu:
+        from isoloco_ray.cuda_check import check_cuda_on_gpu_nodes
+
+        check_cuda_on_gpu_nodes()
 
 
 def _join_or_start_ray(cfg: TrainConfig, dashboard: bool) -> None:

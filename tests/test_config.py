@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
+import torch
 
 from isoloco_ray.config import ConfigError, TrainConfig, config_differences, load_config
 from isoloco_ray import train
@@ -198,6 +201,46 @@ def test_gpus_an_autoscaler_adds_while_waiting_are_taken(monkeypatch, cluster_wi
                                   "--scaling.use_gpu=true"]),
                      joined=True)
     assert next(answers, None) is None  # it asked until there were enough
+
+
+def test_a_gpu_run_where_cuda_is_unusable_is_refused_before_training(
+        small_dataset, tmp_path, capsys, monkeypatch, cluster_without_gpus):
+    """GPUs in the cluster, but CUDA unusable on a node (a driver older than the torch build
+    needs): refused with the node's probe, not left to fail in every worker run.max_failures
+    times."""
+    import ray
+
+    from isoloco_ray import cuda_check
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
+    monkeypatch.setattr(cuda_check, "check_cuda_on_gpu_nodes", lambda: cuda_check.refuse_unusable(
+        [None, "CUDA is not usable on gpu-node-2: <the probe's line>"], 0))
+    status = train.main(["--model.preset=tiny", f"--data.path={small_dataset}",
+                         "--data.seq_len=64", "--scaling.replicas=2",
+                         "--scaling.replicas_per_worker=1", "--scaling.use_gpu=true",
+                         f"--run.storage_path={tmp_path}"])
+    assert status == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: scaling.use_gpu: CUDA is not usable on gpu-node-2: <the probe's line>")
+
+
+def test_the_cuda_probe_names_the_node_the_builds_and_the_fix(capsys):
+    from isoloco_ray import cuda_check
+
+    with pytest.raises(ConfigError, match=r"^scaling.use_gpu: a \(and 1 more GPU nodes\)$"):
+        cuda_check.refuse_unusable([None, "a", None, "b"], unreached=0)
+    cuda_check.refuse_unusable([None], unreached=1)  # a node whose GPUs stayed busy
+    assert capsys.readouterr().err == (
+        "warning: CUDA not checked on 1 GPU node(s): no GPU there became free within 120 s\n")
+    if torch.cuda.is_available():
+        assert cuda_check.cuda_problem() is None
+        return
+    problem = cuda_check.cuda_problem()  # this machine has no usable CUDA device
+    assert problem.startswith(f"CUDA is not usable on {socket.gethostname()}: no CUDA device "
+                              "is usable (torch.cuda.is_available() is False); torch "
+                              f"{torch.__version__} is built for CUDA {torch.version.cuda}, "
+                              "the NVIDIA driver is ")
+    assert problem.endswith(f"{cuda_check.OLDER_DRIVER_FIX}; or set scaling.use_gpu=false")
 
 
 def test_a_relative_storage_path_inside_a_ray_job_is_refused(small_dataset, tmp_path, capsys,
