@@ -34,6 +34,9 @@ from pathlib import Path
 # is most of the recovery time on this small cluster. Read by Ray Train when it starts.
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
 os.environ.setdefault("ISOLOCO_RAY_RESIZE_CHECK_SECONDS", "5")  # isoloco_ray.elastic
+# A cluster of this machine: Ray Train's controller may poll its workers often (train.py's
+# LOCAL_TRAIN_ENV; the run joins this cluster through RAY_ADDRESS, so it is set here).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 def free_port() -> int:

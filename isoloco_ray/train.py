@@ -37,6 +37,12 @@ QUIET_RAY_ENV = {
     "RAY_worker_maximum_startup_concurrency": "8",
 }
 
+# Ray Train's controller polls its workers this often (Ray's default: 2 s), and each checkpoint
+# report and the end of a run wait for a poll. On a cluster of this machine, where runs are
+# short and a poll costs nothing, 0.5 s took a tiny 2-round run from 17.3 s to 11.1 s. Set in
+# this process, from which Ray Train passes it to its controller; a joined cluster keeps Ray's.
+LOCAL_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+
 # What the workers of a local cluster run with, unless this environment says otherwise. An
 # OpenMP thread that waits for its team spins (the default, ACTIVE): on a machine shared with
 # other jobs a preempted team member then stalls the others, and a worker with 2 threads on 2
@@ -128,6 +134,9 @@ def _join_or_start_ray(cfg: TrainConfig, dashboard: bool) -> None:
         # A real cluster may autoscale: its CPUs now say nothing about what it can run.
         ray.init(log_to_driver=False, logging_level="ERROR")
         return
+    if not joined_cluster():
+        for key, value in LOCAL_TRAIN_ENV.items():
+            os.environ.setdefault(key, value)
     cpus_per_worker = cfg.scaling.worker_cpus
     workers_need = cfg.scaling.num_workers * cpus_per_worker
     if not ray.is_initialized():
