@@ -29,6 +29,7 @@ from typing import Any
 
 from upath import UPath
 
+from isoloco_ray import run_files
 from isoloco_ray import strict_json
 from isoloco_ray.config import (ConfigError, DataConfig, RunConfig, TrainConfig,
                                 format_validation_error)
@@ -36,9 +37,9 @@ from isoloco_ray.data.format import META_FILE, DataError, DatasetMeta, split_fil
 from isoloco_ray.storage import local_copy, location
 
 PROG = "python -m isoloco_ray.evaluate"
-MODEL_DIR = "model"  # a run's exported model, under the run directory
-RUN_CONFIG = "config.json"  # a run's resolved TrainConfig (also a model's Hugging Face config)
-SUMMARY = "summary.json"
+# A run directory's files (run_files.py); a model directory also holds a config.json, its
+# Hugging Face config.
+MODEL_DIR, RUN_CONFIG, SUMMARY = run_files.MODEL_DIR, run_files.CONFIG, run_files.SUMMARY
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 

@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isoloco_ray import run_files
 from isoloco_ray import strict_json
 from isoloco_ray.config import check_name, flatten
 from isoloco_ray.storage import location
 
 GRID_FILE = "grid.json"  # written by isoloco_ray.tune: name, metric, mode, trials
 RUNS_DIR = "runs"  # a grid's run directories
-ERROR_FILE = "error.txt"  # written by a failed grid trial: the traceback
-STOPPED_FILE = "stopped.json"  # written when a grid's scheduler stopped the trial early
+ERROR_FILE, STOPPED_FILE = run_files.ERROR, run_files.STOPPED
 SUMMARY_METRICS = ("final_eval_loss", "final_eval_perplexity", "tokens_per_s", "seconds",
                    "train_seconds", "outer_bytes_per_round")
 # A finished run with one of these not a finite number (or null) diverged.
@@ -183,22 +183,22 @@ def load_run(run_dir: Path, name: str | None = None,
              overrides: dict[str, Any] | None = None) -> RunRecord:
     """The record of one run directory (which may not exist yet: a pending trial)."""
     run = RunRecord(name=name or run_dir.name, run_dir=run_dir, overrides=overrides or {})
-    if (run_dir / "config.json").is_file():
-        run.config = _read_json(run_dir / "config.json")
-    if (run_dir / "summary.json").is_file():
-        run.summary = _read_json(run_dir / "summary.json")
+    if (run_dir / run_files.CONFIG).is_file():
+        run.config = _read_json(run_dir / run_files.CONFIG)
+    if (run_dir / run_files.SUMMARY).is_file():
+        run.summary = _read_json(run_dir / run_files.SUMMARY)
     if (run_dir / ERROR_FILE).is_file():
         run.error = (run_dir / ERROR_FILE).read_text()
     if (run_dir / STOPPED_FILE).is_file():
         run.stopped = _read_json(run_dir / STOPPED_FILE)
-    run.metrics = read_metrics(run_dir / "metrics.jsonl")
+    run.metrics = read_metrics(run_dir / run_files.METRICS)
     return run
 
 
 def is_run_dir(path: Path) -> bool:
     """Whether `path` holds a training run's files."""
-    return any((path / name).is_file() for name in ("config.json", "metrics.jsonl",
-                                                    "summary.json"))
+    return any((path / name).is_file() for name in (run_files.CONFIG, run_files.METRICS,
+                                                    run_files.SUMMARY))
 
 
 def varied_fields(configs: list[dict[str, Any]]) -> list[str]:

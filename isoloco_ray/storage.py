@@ -25,6 +25,7 @@ from typing import Any
 
 from upath import UPath
 
+from isoloco_ray import run_files
 from isoloco_ray.config import ConfigError
 from isoloco_ray.file_lock import LockHeld, exclusive
 
@@ -189,7 +190,7 @@ def checkpoint_room(directory: str | os.PathLike[str], needed: int) -> str | Non
             "checkpoints are kept) and run the same command again to resume from the latest")
 
 
-RUN_LOCK = ".run.lock"  # in a run directory while a run of it is live
+RUN_LOCK = run_files.LOCK
 
 
 def hold_run(run_dir: UPath, field: str = "run.name") -> contextlib.ExitStack:

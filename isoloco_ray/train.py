@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from isoloco_ray import run_files
 from isoloco_ray import strict_json
 from isoloco_ray.config import (ConfigError, ScalingConfig, TrainConfig, config_differences,
                                 load_config)
@@ -302,7 +303,7 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
         print(repaired, file=sys.stderr, flush=True)
     stop = threading.Event()
     follower = threading.Thread(target=follow_progress, daemon=True,
-                                args=(progress, cfg.run.rounds, run_dir / "metrics.jsonl", stop,
+                                args=(progress, cfg.run.rounds, run_dir / run_files.METRICS, stop,
                                       on_metrics, cfg.outer.delay > 0))
     follower.start()
     try:
@@ -318,7 +319,7 @@ def write_config(run_dir: Path, cfg: TrainConfig) -> None:
     """Write `run_dir/config.json`, the settings a resume must match, atomically: on a full
     disk the previous one stays whole (a truncated one would stop every later resume)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    strict_json.write(run_dir / "config.json", cfg.model_dump(mode="json"), indent=2)
+    strict_json.write(run_dir / run_files.CONFIG, cfg.model_dump(mode="json"), indent=2)
 
 
 def write_summary(cfg: TrainConfig, final: dict[str, Any], data_dir: Path, run_dir: Path,
@@ -328,12 +329,12 @@ def write_summary(cfg: TrainConfig, final: dict[str, Any], data_dir: Path, run_d
         "strategy": cfg.outer.strategy,
         "replicas": cfg.scaling.replicas,
         **final,
-        "model_dir": str(run_dir / "model"),
+        "model_dir": str(run_dir / run_files.MODEL_DIR),
         "run_dir": str(run_dir),
         "data_dir": str(data_dir),
         "seconds": seconds,
     }
-    strict_json.write(run_dir / "summary.json", summary, indent=2)
+    strict_json.write(run_dir / run_files.SUMMARY, summary, indent=2)
     return summary
 
 
@@ -369,12 +370,12 @@ def main(argv: list[str] | None = None) -> int:
 def train_run(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> int:
     """`main` once the run directory is held: resume or start the run, then summarise it;
     returns the exit status."""
-    if (run_dir / "summary.json").exists():
+    if (run_dir / run_files.SUMMARY).exists():
         print(f"error: run.name: {run_dir} already holds a finished run; choose another "
               "run.name", file=sys.stderr)
         return 2
-    resuming = (run_dir / "config.json").exists()
-    saved = json.loads((run_dir / "config.json").read_text()) if resuming else None
+    resuming = (run_dir / run_files.CONFIG).exists()
+    saved = json.loads((run_dir / run_files.CONFIG).read_text()) if resuming else None
     cfg = with_cpus_per_worker(cfg, saved)
     if resuming:
         differing = config_differences(saved, cfg)

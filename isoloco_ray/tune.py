@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from isoloco_ray import run_files
 from isoloco_ray import strict_json
 from isoloco_ray.config import ConfigError, TrainConfig, check_name, parse_cli_overrides
 from isoloco_ray.data.format import DataError
@@ -58,7 +59,7 @@ from isoloco_ray.storage import check_writable, hold_run, location, run_director
 
 PROG = "python -m isoloco_ray.tune"
 TUNE_DIR = "tune"  # Tune's experiment inside the grid directory (a resume's: tune-resume-<n>)
-SUMMARY_FILE = "summary.json"  # written by a finished run
+SUMMARY_FILE = run_files.SUMMARY
 # Logical CPUs a trial needs beyond its driver and workers: Ray Data's read tasks.
 DATA_CPUS = 1.0
 # Proposals of each grid point's searcher drawn at random (seeded) before TPE models the

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from isoloco_ray import storage
+from isoloco_ray import run_files, storage
 from isoloco_ray.config import TrainConfig, config_differences
 from isoloco_ray.data.format import DataError, DatasetMeta, split_files
 from isoloco_ray.data.stream import ReplicaStream, RowReader, replica_share
@@ -643,7 +643,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     summary["torch_threads"] = torch.get_num_threads()  # per worker (every rank sets alike)
     if "error" not in summary:
         try:  # a run without its model is not finished: the error keeps it resumable
-            export_model(trainer.model, data_dir, run_dir / "model", summary.get("diverged"))
+            export_model(trainer.model, data_dir, run_dir / run_files.MODEL_DIR,
+                         summary.get("diverged"))
         except ExportError as exc:
             summary["error"] = str(exc)
     return summary

@@ -1,0 +1,13 @@
+"""The files of a run directory (`run.storage_path/run.name`), named in one place.
+
+Ray Train adds its own beside them: `checkpoint_<time>/` directories and its record of them,
+`checkpoint_manager_snapshot.json` (workers/resume.py).
+"""
+
+CONFIG = "config.json"  # the resolved TrainConfig; a resume must match it
+METRICS = "metrics.jsonl"  # one line per round, from the driver
+SUMMARY = "summary.json"  # written last: its presence means the run finished
+MODEL_DIR = "model"  # the exported Hugging Face model (workers/export.py)
+ERROR = "error.txt"  # a failed grid trial: the traceback
+STOPPED = "stopped.json"  # a grid trial a scheduler stopped early
+LOCK = ".run.lock"  # held while a run of the directory is live (storage.hold_run)
