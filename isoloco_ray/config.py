@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, OuterMerge, option_strategies
+from isoloco_ray.workers.outer.route import Route
 
 ModelPreset = Literal["tiny", "demo", "178M", "512M"]
 Strategy = Literal[tuple(STRATEGIES)]  # type: ignore[valid-type]
@@ -455,9 +456,8 @@ class TrainConfig(_Section):
             raise ValueError("outer.lr = 0 never moves the global model; set outer.lr > 0, or "
                              "leave it unset for the strategy's value")
         wire = WIRE_FORMATS[outer.comm_dtype]
-        if (not wire.lossless and not wire.per_replica and outer.placement == "replicated"
-                and outer.topk is None and not outer.error_feedback
-                and OuterMerge.of(outer).of_mean):  # a cast, and only sums would travel
+        route = Route.choose(outer, OuterMerge.of(outer))
+        if not wire.lossless and route.sums and route.everyone_merges:  # all-reduced in float32
             raise ValueError(f"outer.comm_dtype={wire.name} has no effect with "
                              f"outer.placement=replicated and outer.strategy "
                              f"'{outer.strategy}': every worker merges the all-reduced float32 "

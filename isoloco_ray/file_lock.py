@@ -16,8 +16,13 @@ class LockHeld(Exception):
     (empty if it has not yet)."""
 
     def __init__(self, path: Path, holder: str):
-        super().__init__(f"{path} is locked by {holder or 'a process that has just started'}")
         self.path, self.holder = path, holder
+        super().__init__(f"{path} is locked by {self.who}")
+
+    @property
+    def who(self) -> str:
+        """The holder as it wrote itself into the file, or what it is before it has."""
+        return self.holder or "a process that has just started"
 
 
 @contextmanager

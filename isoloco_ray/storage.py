@@ -190,9 +190,6 @@ def checkpoint_room(directory: str | os.PathLike[str], needed: int) -> str | Non
             "checkpoints are kept) and run the same command again to resume from the latest")
 
 
-RUN_LOCK = run_files.LOCK
-
-
 def hold_run(run_dir: UPath, field: str = "run.name") -> contextlib.ExitStack:
     """Take the lock of `run_dir` (a `.run.lock` file in it, naming this process), creating the
     directory, for as long as a run of it is live: released when the returned stack closes
@@ -212,12 +209,11 @@ def hold_run(run_dir: UPath, field: str = "run.name") -> contextlib.ExitStack:
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     holder = f"pid {os.getpid()} on {socket.gethostname()}, started {started}"
     try:
-        stack.enter_context(exclusive(run_dir / RUN_LOCK, wait=False, holder=holder))
+        stack.enter_context(exclusive(run_dir / run_files.LOCK, wait=False, holder=holder))
     except LockHeld as held:
         stack.close()
-        who = held.holder or "a process that has just started"
         raise ConfigError(
-            f"{field}: {run_dir} is in use by another run ({who}); wait for it to end or "
+            f"{field}: {run_dir} is in use by another run ({held.who}); wait for it to end or "
             "choose another run.name. Its lock goes with that process: if it hangs, stop it "
             "(kill the pid on that host) and run this again") from None
     return stack

@@ -395,7 +395,7 @@ def train_run(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> int:
     try:
         write_config(run_dir, cfg)
     except OSError as exc:
-        print(f"error: run.storage_path: cannot write {run_dir / 'config.json'} "
+        print(f"error: run.storage_path: cannot write {run_dir / run_files.CONFIG} "
               f"({exc.strerror or exc}); free space there and run the same command again",
               file=sys.stderr)
         return 1
@@ -425,7 +425,7 @@ def train_run(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> int:
     print(f"final eval loss {summary['final_eval_loss']:.4f} (from "
           f"{summary['initial_eval_loss']:.4f}), {summary['tokens']:,} tokens, "
           f"{summary['tokens_per_s']:,.0f} tok/s, {summary['seconds']:.0f}s")
-    print(f"summary: {run_dir / 'summary.json'}")
+    print(f"summary: {run_dir / run_files.SUMMARY}")
     if summary.get("status") == "diverged":
         print(f"error: the run diverged: {summary['diverged']}; its model is in "
               f"{summary['model_dir']}, marked DIVERGED.txt", file=sys.stderr)

@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from isoloco_ray import storage, train
+from isoloco_ray import run_files, storage, train
 from isoloco_ray.config import ConfigError
 
 
 def test_a_second_run_of_a_held_directory_is_refused_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
     with storage.hold_run(run_dir):
-        lock = run_dir / storage.RUN_LOCK
+        lock = run_dir / run_files.LOCK
         assert lock.read_text().startswith(f"pid {os.getpid()} on {socket.gethostname()}, "
                                            "started ")
         with pytest.raises(ConfigError) as refused:
@@ -69,4 +69,4 @@ def test_a_killed_holder_leaves_no_lock_behind(tmp_path):
         except ConfigError:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-    assert not (run_dir / storage.RUN_LOCK).exists()
+    assert not (run_dir / run_files.LOCK).exists()

@@ -17,9 +17,12 @@ updates back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from isoloco_ray.config import OuterConfig
 from isoloco_ray.strategies import WIRE_FORMATS, OuterMerge
+
+if TYPE_CHECKING:  # config imports this module: it checks settings against the route
+    from isoloco_ray.config import OuterConfig
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,6 @@ class OuterSync:
                  ) -> None:
         self.outer = outer
         self.replicas = replicas
-        self.seed = seed
         self.group = group
         self.ranks, self.rank = group_size(group), group_rank(group)
         if replicas % self.ranks:
