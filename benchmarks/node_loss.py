@@ -30,9 +30,10 @@ import threading
 import time
 from pathlib import Path
 
-# A restart first waits for workers on the lost node; Ray Train's default start timeout (60 s)
-# is most of the recovery time on this small cluster. Read by Ray Train when it starts.
-os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
+# Ray Train decides a restart's size from a view of the cluster that may still hold the lost
+# node, then waits this long for its placement group before it looks again (60 s by default;
+# placing a group on this machine's nodes takes milliseconds). Read by Ray Train when it starts.
+os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "3")
 os.environ.setdefault("ISOLOCO_RAY_RESIZE_CHECK_SECONDS", "5")  # isoloco_ray.elastic
 # A cluster of this machine: Ray Train's controller may poll its workers often (train.py's
 # LOCAL_TRAIN_ENV; the run joins this cluster through RAY_ADDRESS, so it is set here).
@@ -44,6 +45,21 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def refresh_cluster_view_often() -> None:
+    """Run in every Ray worker process of this job (a `worker_process_setup_hook`): Ray Train's
+    elastic policy sees nodes come and go through Ray Data's autoscaling coordinator actor,
+    which looks at the cluster every 20 s, most of a recovery on this small cluster; here every
+    second. Ray 2.60's private class attribute: if a later Ray drops it, this does nothing and
+    the benchmark only gets slower."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            _AutoscalingCoordinatorActor as coordinator)
+    except ImportError:
+        return
+    if hasattr(coordinator, "TICK_INTERVAL_S"):
+        coordinator.TICK_INTERVAL_S = 1
 
 
 def worker_nodes() -> dict[str, int]:
@@ -75,7 +91,8 @@ def main() -> None:
     nodes = [cluster.add_node(num_cpus=1) for _ in range(1 if changes[0] == "add" else 2)]
     cluster.wait_for_nodes()
     os.environ["RAY_ADDRESS"] = cluster.address
-    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR",
+             runtime_env={"worker_process_setup_hook": refresh_cluster_view_often})
     run_dir = Path(out_dir) / "node-loss"
     argv = [f"--data.path={data_dir}", f"--run.storage_path={out_dir}", "--run.name=node-loss",
             "--scaling.replicas=2", "--scaling.replicas_per_worker=1",

@@ -57,10 +57,11 @@ def test_losing_a_node_then_gaining_one_resizes_the_run_and_keeps_the_math(
     Train restarts the run from the latest checkpoint on two workers, one replica each. The
     model is the uninterrupted 2-worker run's (within float tolerance: the outer sum runs in
     another order on one worker). One cluster and one run for both changes."""
-    # More rounds: the resize comes on a timer (a check every 5 s, then a restart), and the
-    # run must still be going when it does, on a loaded machine too.
-    longer = "--run.rounds=20"
-    result = node_change(small_dataset, tmp_path, "--shrink-then-grow", longer)
+    # More, shorter rounds: the resize comes on a timer (a check every 5 s, then a restart),
+    # and the run must still be going when it does, on a loaded machine too; short rounds
+    # re-open the small dataset's streams less often (each epoch's re-open costs ~2 s).
+    longer = ("--run.rounds=24", "--inner.steps=30")
+    result = node_change(small_dataset, tmp_path, "--shrink-then-grow", *longer)
     shrink, grow = result["changes"]
     assert shrink["change"] == "remove" and grow["change"] == "add"
     assert (shrink["workers_before"], shrink["nodes_before"]) == (2, 2)
@@ -69,5 +70,5 @@ def test_losing_a_node_then_gaining_one_resizes_the_run_and_keeps_the_math(
     assert grow["workers_before"] == 1
     assert grow["workers_after"] == 2 and grow["recovery_seconds"] is not None
     assert grow["node"] in grow["placement_after"]
-    assert result["summary"]["rounds"] == 20 and result["summary"]["workers"] == 2
-    assert_same_model(result, tmp_path / "node-loss" / "model", small_dataset, longer)
+    assert result["summary"]["rounds"] == 24 and result["summary"]["workers"] == 2
+    assert_same_model(result, tmp_path / "node-loss" / "model", small_dataset, *longer)
