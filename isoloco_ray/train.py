@@ -385,6 +385,13 @@ def train_run(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> int:
                   "another run.name", file=sys.stderr)
             return 2
         print(f"resuming {run_dir} from its latest checkpoint", flush=True)
+    from isoloco_ray.workers.export import ExportError, refuse_foreign
+
+    try:  # found now, not after the training, whose model could then not be put in place
+        refuse_foreign(run_dir / run_files.MODEL_DIR)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     try:
         start_ray(cfg)

@@ -79,12 +79,13 @@ def test_crashes_lose_nothing(ray_cluster, small_dataset, tmp_path, capsys, monk
     assert train.main(base + ["--run.name=rerun", "--run.max_failures=0"]) == 1
     assert "run the same command again to resume" in capsys.readouterr().err
     assert not (tmp_path / "rerun" / "summary.json").exists()
-    # The resumed run trains to the end, but a file stands where its model goes: no success
-    # without the model, the file kept, and the same command again finishes the run.
+    # A file stands where its model goes: refused before Ray starts (it could not be put in
+    # place after the training), the file kept; the same command again once it is moved.
     (tmp_path / "rerun" / "model").write_text("not the model")
-    assert train.main(base + ["--run.name=rerun", "--run.max_failures=0"]) == 1
-    assert f"error: the run stopped after round 4: {tmp_path / 'rerun' / 'model'} is a file, " \
-        "not the model directory this run writes" in capsys.readouterr().err
+    assert train.main(base + ["--run.name=rerun", "--run.max_failures=0"]) == 2
+    assert f"error: {tmp_path / 'rerun' / 'model'} is a file, not the model directory this " \
+        "run writes; move it away" in capsys.readouterr().err
+    assert (tmp_path / "rerun" / "model").read_text() == "not the model"
     assert not (tmp_path / "rerun" / "summary.json").exists()
     (tmp_path / "rerun" / "model").unlink()
     assert train.main(base + ["--run.name=rerun", "--run.max_failures=0"]) == 0
