@@ -256,7 +256,7 @@ def test_asha_stops_a_trial_that_does_not_learn(ray_cluster, small_dataset, tmp_
                       # The bad trial would run 40 long rounds: Tune stops it in the middle
                       # of one, and its controller and workers must go with it (below).
                       trials=[{"outer.lr": 0.7},
-                              {"outer.lr": 0.001, "run.rounds": 40, "inner.steps": 400}],
+                              {"outer.lr": 0.001, "run.rounds": 40, "inner.steps": 120}],
                       scheduler={"name": "asha", "grace_rounds": 1, "reduction_factor": 2},
                       # A trial takes the session cluster's 4 CPUs (1 + 2 workers + 1 data).
                       resources={"trial_cpus": 1, "max_concurrent": 1})
@@ -268,7 +268,7 @@ def test_asha_stops_a_trial_that_does_not_learn(ray_cluster, small_dataset, tmp_
     assert tune.main([str(path)]) == 0  # a stop is the scheduler's verdict, not a failure
     out = capsys.readouterr().out
     grid_dir = tmp_path / "grids" / "asha"
-    bad_name = "1-diloco-inner.steps=400-outer.lr=0.001-run.rounds=40"
+    bad_name = "1-diloco-inner.steps=120-outer.lr=0.001-run.rounds=40"
     good, bad = (grid_dir / "runs" / name for name in ("0-diloco-outer.lr=0.7", bad_name))
     assert "0-diloco-outer.lr=0.7: done, final eval loss" in out
     assert f"{bad.name}: stopped early at round 2 (eval_loss " in out
