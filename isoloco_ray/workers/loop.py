@@ -1,5 +1,6 @@
-"""What each training worker runs: R/W replicas' inner steps, the outer sync, eval, metrics,
-checkpoints.
+"""What each training worker runs: its state (`Trainer`: R/W replicas, the global parameters,
+the outer optimizer), rounds run by diloco_rounds.py or data_parallel_rounds.py, eval,
+metrics (round_metrics.py), agreement checks (agreement.py), checkpoints.
 
 `Trainer` is plain PyTorch (+ torch.distributed when W > 1) so tests can run it in one process
 or in a gloo group without Ray; `train_loop_per_worker` adapts it to Ray Train.
@@ -14,7 +15,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,30 +25,26 @@ from torch import nn
 
 from isoloco_ray import run_files, storage
 from isoloco_ray.config import TrainConfig, config_differences
-from isoloco_ray.data.format import DataError, DatasetMeta, split_files
+from isoloco_ray.data.format import DatasetMeta, split_files
 from isoloco_ray.data.stream import ReplicaStream, RowReader, replica_share
 from isoloco_ray.workers import checkpoint, resume
-from isoloco_ray.workers.collectives import (TrafficCounter, all_gather_scalars,
-                                             all_gather_strings, all_reduce_scalars,
-                                             all_reduce_sum)
+from isoloco_ray.workers.agreement import (TrainingStopped, check_workers_agree,
+                                           stop_unless_checkpoint_fits)
+from isoloco_ray.workers.data_parallel_rounds import DataParallelRounds
+from isoloco_ray.workers.diloco_rounds import DiLoCoRounds
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
 from isoloco_ray.workers.export import ExportError, export_model
-from isoloco_ray.workers.fragments import round_events, split_fragments
+from isoloco_ray.workers.fragments import split_fragments
 from isoloco_ray.workers.layout import WorkerLayout, placement_warning
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
-from isoloco_ray.workers.outer.step import OuterStepStats, OuterSync
-from isoloco_ray.workers.overlap import Background
-from isoloco_ray.workers.replica import (Replica, inner_step, load_parameters,
-                                         make_inner_optimizer, snapshot_parameters)
+from isoloco_ray.workers.outer.step import OuterSync
+from isoloco_ray.workers.replica import (Replica, load_parameters, parameters_finite,
+                                         snapshot_parameters)
+from isoloco_ray.workers.round_metrics import Metrics, round_metrics
 
-Metrics = dict[str, Any]
 
 # A final eval loss within this many nats of ln V is no better than a uniform prediction.
 UNIFORM_MARGIN = 1e-3
-
-
-class TrainingStopped(RuntimeError):
-    """The run cannot go on (diverged replicas, workers disagreeing); the message says why."""
 
 
 @dataclass
@@ -78,14 +74,11 @@ class Trainer:
     global_params: dict[str, torch.Tensor]  # θ_t, identical on every worker
     replicas: list[Replica]  # the replicas this worker hosts (their θ_r, AdamW, stream, ...)
     outer: OuterSync  # outer optimizer (the momentum buffers of the tensors this rank owns)
-    # outer.fragments: the tensors synced together (one fragment: all), and the syncs started
-    # but not landed (none at a round's end, where checkpoints are taken: fragments.py).
+    # outer.fragments: the tensors synced together (one fragment: all; fragments.py).
     fragments: list[tuple[str, ...]]
-    in_flight: dict[int, Future[OuterStepStats] | OuterStepStats]
-    background: Background | None  # the thread syncs run on with outer.delay (not state)
-    # adamw_ddp: its one AdamW and LR schedule over the global model, alike on every rank (the
-    # replicas then only supply batches); None for the DiLoCo strategies.
-    data_parallel: tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR] | None
+    # What runs a round: DiLoCo's inner steps and outer syncs (no state of its own at a
+    # round's end), or adamw_ddp's data-parallel steps (its AdamW and LR schedule).
+    runner: DiLoCoRounds | DataParallelRounds
     round: int  # outer rounds completed
     initial_eval_loss: float | None
     last_eval_loss: float | None
@@ -118,10 +111,8 @@ class Trainer:
                                self.layout.sync_group)
         self.fragments = split_fragments({n: p.shape for n, p in self.global_params.items()},
                                          cfg.outer.fragments)
-        self.in_flight = {}
-        self.background = Background(env.device) if cfg.outer.delay > 0 else None
-        self.data_parallel = (make_inner_optimizer(self.model, cfg.inner, total_steps, fused)
-                              if cfg.outer.strategy == "adamw_ddp" else None)
+        self.runner = (DataParallelRounds(self) if cfg.outer.strategy == "adamw_ddp"
+                       else DiLoCoRounds(self))
         self.round = 0
         self.initial_eval_loss = self.last_eval_loss = None
         self.train_seconds = self.first_round_seconds = 0.0
@@ -149,10 +140,7 @@ class Trainer:
             counters = {name: getattr(self, name) for name in checkpoint.COUNTERS}
             checkpoint.save_shared(directory, self.global_params, self.outer.state_dict(),
                                    {**counters, "config": self.cfg.model_dump(mode="json")})
-            if self.data_parallel is not None:
-                optimizer, schedule = self.data_parallel
-                checkpoint.save_data_parallel(directory, {"optimizer": optimizer.state_dict(),
-                                                          "schedule": schedule.state_dict()})
+            self.runner.save(directory)
         if not self.layout.saves_replicas:
             return  # the replica's first worker saves what all its workers hold alike
         if self.outer.rank == 0 or not self.outer.route.everyone_merges:
@@ -186,47 +174,7 @@ class Trainer:
         for replica in self.replicas:
             replica.load_state_dict(checkpoint.load_replica(directory, replica.index),
                                     self.global_params)
-        if self.data_parallel is not None:
-            saved = checkpoint.load_data_parallel(directory)
-            optimizer, schedule = self.data_parallel
-            optimizer.load_state_dict(saved["optimizer"])
-            schedule.load_state_dict(saved["schedule"])
-
-    def check_workers_agree(self, full: bool) -> str:
-        """The global parameters' fingerprint, after checking every worker holds the same:
-        the on-device `parameters_checksum`, or with `full` (checkpoint rounds) the sha256."""
-        digest = (checkpoint.parameters_sha256 if full
-                  else checkpoint.parameters_checksum)(self.global_params)
-        hashes = all_gather_strings(digest)
-        if len(set(hashes)) > 1:
-            raise TrainingStopped(
-                f"the workers' global parameters differ after round {self.round} "
-                f"(hashes by rank: {hashes}); the outer sync is not deterministic here")
-        return digest
-
-    def stop_if_any_rank_failed(self, error: str | None) -> None:
-        """Every rank stops together when any rank's data failed (a rank that stopped alone
-        would leave the others waiting in the next collective)."""
-        errors = all_gather_strings(error or "")
-        failed = [(rank, message) for rank, message in enumerate(errors) if message]
-        if failed:
-            rank, message = failed[0]
-            raise TrainingStopped(f"worker {rank} in round {self.round + 1}: {message}")
-
-    def stop_unless_checkpoint_fits(self, directory: Path) -> None:
-        """Every rank stops together, before writing anything, when this round's checkpoint
-        (every rank's files in `directory`) will not fit where checkpoints go: half a
-        checkpoint and an unreadable Ray Train record are what a disk that fills up during a
-        checkpoint leaves, and restarts from the last checkpoint would only fill it again."""
-        if self.env.checkpoint_room is None:
-            return
-        size = sum(path.stat().st_size for path in directory.iterdir())
-        (needed,) = all_reduce_scalars([size], self.env.device)
-        problem = self.env.checkpoint_room(int(needed)) if self.env.rank == 0 else None
-        verdict = all_gather_strings(problem or "")[0]  # rank 0's, on every rank
-        if verdict:
-            raise TrainingStopped(f"the checkpoint of round {self.round} was not written: "
-                                  f"{verdict}")
+        self.runner.restore(directory)
 
     # -- one round -------------------------------------------------------------------------------
 
@@ -240,178 +188,6 @@ class Trainer:
                 f"the validation loss is {loss} after round {self.round}; the last checkpoint "
                 "holds the last good state: lower inner.lr or outer.lr and start a new run")
         return loss
-
-    def diloco_round(self) -> tuple[float, float, OuterStepStats]:
-        """H inner steps on every hosted replica, and the syncs of the round's fragments
-        (fragments.round_events; with one fragment and no delay: the outer step at the end).
-
-        Returns (sum of the finite replicas' mean losses on this rank, counted by the first
-        worker of each replica only, inner seconds, the round's syncs' stats together).
-        """
-        steps = self.cfg.inner.steps
-        stats = OuterStepStats()
-        losses: dict[int, list[torch.Tensor]] = {r.index: [] for r in self.replicas}
-        inner_seconds, done, checked = 0.0, 0, False
-        data_error = None
-        try:
-            for event in round_events(self.round, self.cfg.run.rounds, steps,
-                                      self.cfg.outer.fragments, self.cfg.outer.delay):
-                if event.step > done:
-                    seconds, data_error = self._inner_steps(event.step - done, losses,
-                                                            event.step == steps, data_error)
-                    inner_seconds += seconds
-                    done, checked = event.step, False
-                if event.starts:
-                    # Every rank stops together before a sync when any rank's data failed.
-                    self.stop_if_any_rank_failed(data_error)
-                    checked = True
-                    self._start_sync(event.fragment, event.sync_round)
-                else:
-                    stats.add(self._finish_sync(event.fragment))
-            if done < steps:
-                seconds, data_error = self._inner_steps(steps - done, losses, True, data_error)
-                inner_seconds += seconds
-                checked = False
-            if not checked:
-                self.stop_if_any_rank_failed(data_error)
-        finally:
-            self._wait_for_syncs()
-        counted = self.layout.position == 0
-        total = 0.0
-        for replica in self.replicas:
-            loss = torch.stack(losses[replica.index]).mean().item()
-            if self.layout.shard is not None:
-                loss = self.layout.shard.mean(loss, self.env.device)
-            if replica.index not in stats.dropped and counted:
-                total += loss
-        return total, inner_seconds, stats
-
-    def _inner_steps(self, steps: int, losses: dict[int, list[torch.Tensor]], ends_round: bool,
-                     data_error: str | None) -> tuple[float, str | None]:
-        """`steps` inner steps of every hosted replica, in turn; after a data error, none (the
-        ranks stop together at the next check). Returns (seconds, the data error if any)."""
-        started = time.perf_counter()
-        for replica in self.replicas:
-            if data_error is not None:
-                break
-            try:
-                losses[replica.index] += replica.run_inner_steps(
-                    self.model, self.runtime, steps, self.cfg.data.micro_batch_size,
-                    self.layout.shard)
-            except DataError as exc:  # a replica's G workers read the same rows: all stop
-                data_error = str(exc)
-                break
-            if ends_round and self.env.after_replica is not None:
-                self.env.after_replica(self.round, replica.index)
-        return time.perf_counter() - started, data_error
-
-    def _start_sync(self, fragment: int, sync_round: int) -> None:
-        """Take the hosted replicas' Δ_r of `fragment` and start its outer step: at once, or
-        in the background with outer.delay."""
-        outer = self.cfg.outer
-        names = self.fragments[fragment]
-        diverged = [r.index for r in self.replicas if not r.losses_finite]
-        for replica in self.replicas:
-            replica.losses_finite = True
-        # Without delay or mix, θ_r of the fragment is replaced by the global one right after
-        # the step: its storage can hold Δ_r meanwhile.
-        in_place = outer.delay == 0 and outer.mix == 0
-        deltas = {r.index: r.pseudo_gradient(self.global_params, names, in_place)
-                  for r in self.replicas}
-        feedback = {r.index: r.feedback for r in self.replicas} if outer.error_feedback else None
-        target = {name: self.global_params[name] for name in names}
-
-        def step() -> OuterStepStats:
-            return self.outer.step(target, deltas, sync_round, diverged, feedback)
-
-        if self.background is not None:
-            self.in_flight[fragment] = self.background.start(step)
-            return
-        started = time.perf_counter()
-        stats = step()
-        stats.wait_seconds = time.perf_counter() - started  # training waited for all of it
-        self.in_flight[fragment] = stats
-
-    def _finish_sync(self, fragment: int) -> OuterStepStats:
-        """Land `fragment`'s sync: its global tensors hold the new values; each replica takes
-        them (mixed with its own by outer.mix), or starts again from the global parameters if
-        it was left out."""
-        pending = self.in_flight.pop(fragment)
-        if isinstance(pending, Future):
-            assert self.background is not None
-            waiting = time.perf_counter()
-            stats = self.background.finish(pending)
-            stats.wait_seconds = time.perf_counter() - waiting
-        else:
-            stats = pending
-        for replica in self.replicas:
-            if replica.index in stats.dropped:
-                replica.reset(self.global_params)
-            else:
-                replica.take_global(self.global_params, self.fragments[fragment],
-                                    self.cfg.outer.mix)
-        return stats
-
-    def _wait_for_syncs(self) -> None:
-        """Let syncs still running end (the round stopped early: every rank started them, so
-        they complete), without landing them."""
-        for pending in self.in_flight.values():
-            if isinstance(pending, Future):
-                pending.exception()
-        self.in_flight.clear()
-
-    def data_parallel_round(self) -> tuple[float, float, OuterStepStats]:
-        """adamw_ddp: H data-parallel AdamW steps on the global model, gradients averaged over
-        all R replicas' batches every step (a replica spread over G workers gives each its rows
-        of the replica's batch)."""
-        assert self.data_parallel is not None
-        stats, traffic = OuterStepStats(), TrafficCounter()
-        optimizer, schedule = self.data_parallel
-        params = list(self.model.parameters())
-        shard = self.layout.shard
-        shares = self.cfg.scaling.replicas * self.cfg.scaling.workers_per_replica
-        load_parameters(self.model, self.global_params)
-
-        def average_over_all_replicas() -> None:
-            for p in params:
-                if p.grad is None:  # no batch read here (a data error): still join the sum
-                    p.grad = torch.zeros_like(p)
-            computed = time.perf_counter()
-            all_reduce_sum([p.grad for p in params], traffic)
-            stats.comm_seconds += time.perf_counter() - computed
-            for p in params:
-                p.grad /= shares
-
-        started = time.perf_counter()
-        loss_sum = torch.zeros((), device=self.env.device)
-        data_error = None
-        for _ in range(self.cfg.inner.steps):
-            batches = []  # the hosted replicas' batches: their gradients add up in .grad
-            try:
-                if data_error is None:
-                    batches = [replica.stream.next_batch() for replica in self.replicas]
-            except DataError as exc:
-                # Keep joining the steps' all-reduce so the other ranks reach the end of the
-                # round, where every rank stops.
-                data_error = str(exc)
-            loss_sum += inner_step(
-                self.runtime, optimizer, schedule,
-                [batch if shard is None else shard.rows(batch) for batch in batches],
-                self.cfg.data.micro_batch_size, self.cfg.inner.clip, average_over_all_replicas)
-        inner_seconds = time.perf_counter() - started - stats.comm_seconds
-        self.stop_if_any_rank_failed(data_error)
-        stats.bytes_received = traffic.take()
-        stepped = snapshot_parameters(self.model)
-        if parameters_finite(stepped):  # alike on every rank: the same averaged gradients
-            self.global_params = stepped
-        else:
-            # The DiLoCo strategies' guard, for the one data-parallel "replica": the round is
-            # skipped (parameters as they were before it) and AdamW's moments are reset.
-            optimizer.state.clear()
-            stats.dropped, stats.skipped = list(range(self.cfg.scaling.replicas)), True
-        # Every worker's loss is over its share: the world's sum, / G, is the replicas' sum.
-        return (loss_sum.item() / self.cfg.inner.steps / self.cfg.scaling.workers_per_replica,
-                inner_seconds, stats)
 
     def run(self) -> Metrics:
         """Train until cfg.run.rounds rounds are done; returns the final metrics (every rank),
@@ -429,18 +205,15 @@ class Trainer:
         finally:
             for replica in self.replicas:
                 replica.stream.close()
-            if self.background is not None:
-                self.background.close()
+            self.runner.close()
         load_parameters(self.model, self.global_params)
         return self.summary()
 
     def _train_rounds(self) -> None:
         cfg, env = self.cfg, self.env
-        run_round = (self.data_parallel_round if cfg.outer.strategy == "adamw_ddp"
-                     else self.diloco_round)
         while self.round < cfg.run.rounds:
             started = time.perf_counter()
-            loss_sum, inner_seconds, stats = run_round()
+            loss_sum, inner_seconds, stats = self.runner.run_round()
             self.round += 1
             if not parameters_finite(self.global_params):
                 raise TrainingStopped(
@@ -459,33 +232,12 @@ class Trainer:
             self.train_seconds += seconds
             if self.round == 1:
                 self.first_round_seconds = seconds
-            good = cfg.scaling.replicas - len(stats.dropped)
-            (loss_sum,) = all_reduce_scalars([loss_sum], env.device)
-            # Per rank: the outer sync's load differs between ranks (owners, rank0).
-            by_rank = all_gather_scalars(
-                [stats.bytes_received, stats.comm_seconds, stats.merge_seconds,
-                 stats.wait_seconds], env.device)
-            bytes_by_rank = [int(values[0]) for values in by_rank]
-            self.bytes_total += max(bytes_by_rank)
-            metrics: Metrics = {
-                "round": self.round,
-                "tokens": self.round * cfg.tokens_per_round,
-                "loss": loss_sum / good if good else math.nan,
-                "tokens_per_s": cfg.tokens_per_round / seconds,
-                "round_seconds": seconds,
-                "inner_seconds": inner_seconds,
-                # The slowest / busiest rank's figures: the round waits for it.
-                "outer_comm_seconds": max(values[1] for values in by_rank),
-                "outer_merge_seconds": max(values[2] for values in by_rank),
-                # The training thread's time blocked on outer syncs (outer.delay hides the rest).
-                "outer_wait_seconds": max(values[3] for values in by_rank),
-                "outer_bytes_received": max(bytes_by_rank),
-                "outer_bytes_by_rank": bytes_by_rank,
-                "dropped_replicas": stats.dropped,
-            }
+            metrics = round_metrics(cfg, self.round, loss_sum, seconds, inner_seconds, stats,
+                                    env.device)
+            self.bytes_total += metrics["outer_bytes_received"]  # the busiest rank's
             saving = self.round % cfg.run.checkpoint_every == 0 or self.round == cfg.run.rounds
             metrics["state_sha256" if saving else "state_checksum"] = \
-                self.check_workers_agree(full=saving)
+                check_workers_agree(self.global_params, self.round, full=saving)
             if self.round % cfg.run.eval_every == 0 or self.round == cfg.run.rounds:
                 self.last_eval_loss = self.evaluate()
                 metrics.update(eval_loss=self.last_eval_loss,
@@ -493,7 +245,8 @@ class Trainer:
             if saving:
                 with tempfile.TemporaryDirectory() as directory:
                     self.save(Path(directory))
-                    self.stop_unless_checkpoint_fits(Path(directory))
+                    stop_unless_checkpoint_fits(Path(directory), self.round, env.rank,
+                                                env.device, env.checkpoint_room)
                     env.report(metrics, Path(directory))
             else:
                 env.report(metrics, None)
@@ -532,12 +285,6 @@ class Trainer:
             "outer_bytes_per_round": self.bytes_total / max(self.round, 1),
             "model_sha256": checkpoint.parameters_sha256(self.global_params),
         }
-
-
-def parameters_finite(params: dict[str, torch.Tensor]) -> bool:
-    """Whether every parameter value is finite (one host sync for all tensors)."""
-    bad = torch.stack([torch.isfinite(t).logical_not().sum() for t in params.values()]).sum()
-    return int(bad) == 0
 
 
 def steady_tokens_per_s(rounds: int, tokens_per_round: int, train_seconds: float,

@@ -244,3 +244,9 @@ def load_parameters_into(params: Mapping[str, torch.Tensor], model: nn.Module) -
 def snapshot_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """A float32 copy of the model's parameters, by name."""
     return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+
+
+def parameters_finite(params: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every parameter value is finite (one host sync for all tensors)."""
+    bad = torch.stack([torch.isfinite(t).logical_not().sum() for t in params.values()]).sum()
+    return int(bad) == 0

@@ -1,0 +1,103 @@
+"""One round of the adamw_ddp baseline: H data-parallel AdamW steps on the global model, the
+gradients averaged over all R replicas' batches every step (the replicas only supply batches;
+a replica spread over G workers gives each its rows of the replica's batch)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from isoloco_ray.data.format import DataError
+from isoloco_ray.workers import checkpoint
+from isoloco_ray.workers.agreement import stop_if_any_rank_failed
+from isoloco_ray.workers.collectives import TrafficCounter, all_reduce_sum
+from isoloco_ray.workers.outer.step import OuterStepStats
+from isoloco_ray.workers.replica import (inner_step, load_parameters, make_inner_optimizer,
+                                         parameters_finite, snapshot_parameters)
+
+if TYPE_CHECKING:
+    from isoloco_ray.workers.loop import Trainer
+
+
+class DataParallelRounds:
+    """Runs a Trainer's adamw_ddp rounds; its one AdamW and LR schedule over the global model
+    are alike on every rank and saved by rank 0 (checkpoint.DATA_PARALLEL_FILE)."""
+
+    optimizer: torch.optim.AdamW
+    schedule: torch.optim.lr_scheduler.LambdaLR
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        cfg = trainer.cfg
+        self.optimizer, self.schedule = make_inner_optimizer(
+            trainer.model, cfg.inner, cfg.run.rounds * cfg.inner.steps,
+            trainer.env.device.type == "cuda")
+
+    def save(self, directory: Path) -> None:
+        """Write the optimizer and schedule (called on rank 0)."""
+        checkpoint.save_data_parallel(directory, {"optimizer": self.optimizer.state_dict(),
+                                                  "schedule": self.schedule.state_dict()})
+
+    def restore(self, directory: Path) -> None:
+        """Take the optimizer and schedule of the checkpoint in `directory`."""
+        saved = checkpoint.load_data_parallel(directory)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.schedule.load_state_dict(saved["schedule"])
+
+    def run_round(self) -> tuple[float, float, OuterStepStats]:
+        """One round. Returns (this rank's share of the replicas' summed mean loss, inner
+        seconds, the gradient all-reduce's figures as the round's outer stats)."""
+        trainer = self.trainer
+        cfg = trainer.cfg
+        stats, traffic = OuterStepStats(), TrafficCounter()
+        params = list(trainer.model.parameters())
+        shard = trainer.layout.shard
+        shares = cfg.scaling.replicas * cfg.scaling.workers_per_replica
+        load_parameters(trainer.model, trainer.global_params)
+
+        def average_over_all_replicas() -> None:
+            for p in params:
+                if p.grad is None:  # no batch read here (a data error): still join the sum
+                    p.grad = torch.zeros_like(p)
+            computed = time.perf_counter()
+            all_reduce_sum([p.grad for p in params], traffic)
+            stats.comm_seconds += time.perf_counter() - computed
+            for p in params:
+                p.grad /= shares
+
+        started = time.perf_counter()
+        loss_sum = torch.zeros((), device=trainer.env.device)
+        data_error = None
+        for _ in range(cfg.inner.steps):
+            batches = []  # the hosted replicas' batches: their gradients add up in .grad
+            try:
+                if data_error is None:
+                    batches = [replica.stream.next_batch() for replica in trainer.replicas]
+            except DataError as exc:
+                # Keep joining the steps' all-reduce so the other ranks reach the end of the
+                # round, where every rank stops.
+                data_error = str(exc)
+            loss_sum += inner_step(
+                trainer.runtime, self.optimizer, self.schedule,
+                [batch if shard is None else shard.rows(batch) for batch in batches],
+                cfg.data.micro_batch_size, cfg.inner.clip, average_over_all_replicas)
+        inner_seconds = time.perf_counter() - started - stats.comm_seconds
+        stop_if_any_rank_failed(data_error, trainer.round)
+        stats.bytes_received = traffic.take()
+        stepped = snapshot_parameters(trainer.model)
+        if parameters_finite(stepped):  # alike on every rank: the same averaged gradients
+            trainer.global_params = stepped
+        else:
+            # The DiLoCo strategies' guard, for the one data-parallel "replica": the round is
+            # skipped (parameters as they were before it) and AdamW's moments are reset.
+            self.optimizer.state.clear()
+            stats.dropped, stats.skipped = list(range(cfg.scaling.replicas)), True
+        # Every worker's loss is over its share: the world's sum, / G, is the replicas' sum.
+        return (loss_sum.item() / cfg.inner.steps / cfg.scaling.workers_per_replica,
+                inner_seconds, stats)
+
+    def close(self) -> None:
+        """Nothing runs in the background here."""

@@ -1,0 +1,169 @@
+"""One DiLoCo round of a worker: H inner steps on every hosted replica, and the outer syncs of
+the round's fragments (fragments.round_events; with one fragment and no delay, the outer step
+at the end), started at once or in the background (outer.delay) and landed into the replicas."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from isoloco_ray.data.format import DataError
+from isoloco_ray.workers.agreement import stop_if_any_rank_failed
+from isoloco_ray.workers.fragments import round_events
+from isoloco_ray.workers.outer.step import OuterStepStats
+from isoloco_ray.workers.overlap import Background
+
+if TYPE_CHECKING:
+    from isoloco_ray.workers.loop import Trainer
+
+
+class DiLoCoRounds:
+    """Runs a Trainer's DiLoCo rounds. Holds no checkpointed state: every sync has landed at a
+    round's end, where checkpoints are taken."""
+
+    # Syncs started but not landed, by fragment (none at a round's end).
+    in_flight: dict[int, Future[OuterStepStats] | OuterStepStats]
+    background: Background | None  # the thread syncs run on with outer.delay
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.in_flight = {}
+        self.background = (Background(trainer.env.device) if trainer.cfg.outer.delay > 0
+                           else None)
+
+    def run_round(self) -> tuple[float, float, OuterStepStats]:
+        """One round. Returns (sum of the finite replicas' mean losses on this rank, counted
+        by the first worker of each replica only, inner seconds, the round's syncs' stats
+        together)."""
+        trainer = self.trainer
+        cfg = trainer.cfg
+        steps = cfg.inner.steps
+        stats = OuterStepStats()
+        losses: dict[int, list[torch.Tensor]] = {r.index: [] for r in trainer.replicas}
+        inner_seconds, done, checked = 0.0, 0, False
+        data_error = None
+        try:
+            for event in round_events(trainer.round, cfg.run.rounds, steps,
+                                      cfg.outer.fragments, cfg.outer.delay):
+                if event.step > done:
+                    seconds, data_error = self._inner_steps(event.step - done, losses,
+                                                            event.step == steps, data_error)
+                    inner_seconds += seconds
+                    done, checked = event.step, False
+                if event.starts:
+                    # Every rank stops together before a sync when any rank's data failed.
+                    stop_if_any_rank_failed(data_error, trainer.round)
+                    checked = True
+                    self._start_sync(event.fragment, event.sync_round)
+                else:
+                    stats.add(self._finish_sync(event.fragment))
+            if done < steps:
+                seconds, data_error = self._inner_steps(steps - done, losses, True, data_error)
+                inner_seconds += seconds
+                checked = False
+            if not checked:
+                stop_if_any_rank_failed(data_error, trainer.round)
+        finally:
+            self._wait_for_syncs()
+        counted = trainer.layout.position == 0
+        total = 0.0
+        for replica in trainer.replicas:
+            loss = torch.stack(losses[replica.index]).mean().item()
+            if trainer.layout.shard is not None:
+                loss = trainer.layout.shard.mean(loss, trainer.env.device)
+            if replica.index not in stats.dropped and counted:
+                total += loss
+        return total, inner_seconds, stats
+
+    def _inner_steps(self, steps: int, losses: dict[int, list[torch.Tensor]], ends_round: bool,
+                     data_error: str | None) -> tuple[float, str | None]:
+        """`steps` inner steps of every hosted replica, in turn; after a data error, none (the
+        ranks stop together at the next check). Returns (seconds, the data error if any)."""
+        trainer = self.trainer
+        started = time.perf_counter()
+        for replica in trainer.replicas:
+            if data_error is not None:
+                break
+            try:
+                losses[replica.index] += replica.run_inner_steps(
+                    trainer.model, trainer.runtime, steps, trainer.cfg.data.micro_batch_size,
+                    trainer.layout.shard)
+            except DataError as exc:  # a replica's G workers read the same rows: all stop
+                data_error = str(exc)
+                break
+            if ends_round and trainer.env.after_replica is not None:
+                trainer.env.after_replica(trainer.round, replica.index)
+        return time.perf_counter() - started, data_error
+
+    def _start_sync(self, fragment: int, sync_round: int) -> None:
+        """Take the hosted replicas' Δ_r of `fragment` and start its outer step: at once, or
+        in the background with outer.delay."""
+        trainer = self.trainer
+        outer = trainer.cfg.outer
+        names = trainer.fragments[fragment]
+        diverged = [r.index for r in trainer.replicas if not r.losses_finite]
+        for replica in trainer.replicas:
+            replica.losses_finite = True
+        # Without delay or mix, θ_r of the fragment is replaced by the global one right after
+        # the step: its storage can hold Δ_r meanwhile.
+        in_place = outer.delay == 0 and outer.mix == 0
+        deltas = {r.index: r.pseudo_gradient(trainer.global_params, names, in_place)
+                  for r in trainer.replicas}
+        feedback = ({r.index: r.feedback for r in trainer.replicas} if outer.error_feedback
+                    else None)
+        target = {name: trainer.global_params[name] for name in names}
+
+        def step() -> OuterStepStats:
+            return trainer.outer.step(target, deltas, sync_round, diverged, feedback)
+
+        if self.background is not None:
+            self.in_flight[fragment] = self.background.start(step)
+            return
+        started = time.perf_counter()
+        stats = step()
+        stats.wait_seconds = time.perf_counter() - started  # training waited for all of it
+        self.in_flight[fragment] = stats
+
+    def _finish_sync(self, fragment: int) -> OuterStepStats:
+        """Land `fragment`'s sync: its global tensors hold the new values; each replica takes
+        them (mixed with its own by outer.mix), or starts again from the global parameters if
+        it was left out."""
+        trainer = self.trainer
+        pending = self.in_flight.pop(fragment)
+        if isinstance(pending, Future):
+            assert self.background is not None
+            waiting = time.perf_counter()
+            stats = self.background.finish(pending)
+            stats.wait_seconds = time.perf_counter() - waiting
+        else:
+            stats = pending
+        for replica in trainer.replicas:
+            if replica.index in stats.dropped:
+                replica.reset(trainer.global_params)
+            else:
+                replica.take_global(trainer.global_params, trainer.fragments[fragment],
+                                    trainer.cfg.outer.mix)
+        return stats
+
+    def _wait_for_syncs(self) -> None:
+        """Let syncs still running end (the round stopped early: every rank started them, so
+        they complete), without landing them."""
+        for pending in self.in_flight.values():
+            if isinstance(pending, Future):
+                pending.exception()
+        self.in_flight.clear()
+
+    def save(self, directory: Path) -> None:
+        """Nothing of its own to save: every sync has landed at a round's end."""
+
+    def restore(self, directory: Path) -> None:
+        """Nothing of its own to restore (see `save`)."""
+
+    def close(self) -> None:
+        """Stop the background thread, if any."""
+        if self.background is not None:
+            self.background.close()
