@@ -1,0 +1,181 @@
+"""One worker's seat in a torchft quorum: the outer sync of `scaling.fault_tolerance: replica`
+(issue 36, stage 1), where a lost worker costs its own round and not the run's.
+
+Once per outer round every live worker (one torchft replica group each) calls `QuorumSeat.sync`
+with its contribution: the sum of its good hosted replicas' pseudo-gradients (the all-reduce
+route of the mean-only strategies) and their mean losses, or nothing (a worker that has just
+joined). The seat
+
+1. joins the round's quorum (`Manager.start_quorum`): the workers the lighthouse sees; a worker
+   whose state is behind is healed there from a peer (θ, outer momentum, counters: whatever the
+   `state_dict` callback returns), and a healed worker contributes nothing to this sync;
+2. exchanges one header row per worker (rank, whether it brings a Δ, its good replicas, its
+   loss sum) by a float64 sum in which each row is non-zero only in its own slot, so the sum
+   is exact and the same on every worker;
+3. gathers every worker's payload (an all-gather, not a sum: gloo would add in an order of its
+   own, which a plain reference loop could not reproduce; each worker adds the contributors'
+   payloads in rank order instead);
+4. commits only if every participant got everything (`Manager.should_commit`). A failure in
+   steps 1-3 (a peer died) makes every survivor's `should_commit` False: the seat starts a new
+   quorum with the survivors and the same contribution, so no inner step is redone.
+
+Bounded everywhere: a collective waits at most `timeout`, a quorum at most `quorum_timeout`,
+a sync at most `max_attempts` quorums; torchft raises past those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+HEADER_FIELDS = 3  # rank, brings a Δ (0/1), loss sum; then one 0/1 per replica of the run
+
+
+class QuorumError(RuntimeError):
+    """The sync could not be committed in `max_attempts` quorums; the message says why."""
+
+
+@dataclass
+class Contribution:
+    """What one worker brings to a round's sync."""
+
+    payload: torch.Tensor  # flat float32: Σ of its good hosted replicas' Δ_r, model order
+    good: Sequence[int]  # the replicas (run-wide indices) whose Δ_r are in `payload`
+    loss_sum: float  # Σ of those replicas' mean inner losses
+
+
+@dataclass
+class CommittedSync:
+    """A committed sync, the same on every participant."""
+
+    participants: list[int]  # worker ranks in the quorum, ascending
+    contributors: list[int]  # those that brought a Δ, ascending
+    payloads: list[torch.Tensor]  # the contributors' payloads, in rank order
+    good: list[int]  # the replicas whose Δ_r are in the payloads, ascending
+    loss_sum: float  # Σ over the contributors' loss sums
+    attempts: int  # quorums it took (1 when nobody failed)
+    healed: bool = False  # this worker's state came from a peer in this sync
+
+    def mean(self) -> torch.Tensor:
+        """Σ of the payloads in rank order, over the number of good replicas: the mean Δ
+        (every participant computes the same bits)."""
+        total = self.payloads[0].clone()
+        for payload in self.payloads[1:]:
+            total += payload
+        return total / len(self.good)
+
+
+class QuorumSeat:
+    """A worker's torchft Manager, used once per outer round (see the module's docstring).
+
+    `state_dict` / `load_state_dict` give and take what a worker that fell behind needs to go
+    on (torchft calls them while healing); `numel` is the payload's length."""
+
+    def __init__(self, rank: int, replicas: int, numel: int, lighthouse_addr: str,
+                 state_dict: Callable[[], dict[str, Any]],
+                 load_state_dict: Callable[[dict[str, Any]], None], *,
+                 min_workers: int, host: str = "127.0.0.1",
+                 timeout: timedelta = timedelta(seconds=30),
+                 quorum_timeout: timedelta = timedelta(seconds=600),
+                 max_attempts: int = 5) -> None:
+        from torch.distributed import TCPStore
+        from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        self.rank, self.replicas, self.numel = rank, replicas, numel
+        self.max_attempts = max_attempts
+        self._healed = False
+
+        def load(state: dict[str, Any]) -> None:
+            self._healed = True
+            load_state_dict(state)
+
+        # The replica group's own rendezvous store (one worker per group), on `host` only.
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._pg = ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=self._pg, load_state_dict=load, state_dict=state_dict,
+            min_replica_size=min_workers, use_async_quorum=False, timeout=timeout,
+            quorum_timeout=quorum_timeout, rank=0, world_size=1, store_addr=host,
+            store_port=self._store.port, lighthouse_addr=lighthouse_addr,
+            # torchft appends ":<uuid>" to the id: a replacement is a new member.
+            replica_id=f"isoloco-{rank:04d}", hostname=host,
+            # θ starts alike everywhere (seeded): only a worker behind the others heals.
+            init_sync=False,
+            # Healing sends tensors over the group itself: no HTTP listener.
+            checkpoint_transport=PGTransport(self._pg, timeout=timeout,
+                                             device=torch.device("cpu")))
+
+    def sync(self, contribution: Contribution | None) -> CommittedSync:
+        """Run quorums until one commits this round's sync (see the module's docstring).
+        Raises QuorumError after `max_attempts` quorums that could not commit, and torchft's
+        TimeoutError when no quorum forms within `quorum_timeout`."""
+        healed = False
+        for attempt in range(1, self.max_attempts + 1):
+            self._healed = False
+            self.manager.start_quorum()
+            if self._healed:  # behind the others: its Δ was computed from another θ
+                healed, contribution = True, None
+            result = self._exchange(contribution)
+            if self.manager.should_commit():
+                assert result is not None  # a committed exchange completed
+                result.attempts, result.healed = attempt, healed
+                return result
+        raise QuorumError(f"worker {self.rank}: the outer sync was not committed in "
+                          f"{self.max_attempts} quorums (workers kept failing during it)")
+
+    def _exchange(self, contribution: Contribution | None) -> CommittedSync | None:
+        """Headers, then payloads, through the quorum's process group; None when a collective
+        failed (the Manager has recorded the error: should_commit is then False)."""
+        from torchft.process_group import ReduceOp
+
+        size, slot = self.manager.num_participants(), self.manager.participating_rank()
+        assert slot is not None  # use_async_quorum=False: every member participates
+        header = torch.zeros(size, HEADER_FIELDS + self.replicas, dtype=torch.float64)
+        header[slot, 0] = self.rank
+        if contribution is not None:
+            header[slot, 1] = 1.0
+            header[slot, 2] = contribution.loss_sum
+            header[slot, [HEADER_FIELDS + r for r in contribution.good]] = 1.0
+        self.manager.allreduce(header, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return None
+        ranks = [int(row[0]) for row in header]
+        brings = [bool(row[1] > 0.5) for row in header]
+        payload = (contribution.payload if contribution is not None
+                   else torch.zeros(self.numel, dtype=torch.float32))
+        gathered = self._all_gather(payload, size)
+        if gathered is None:
+            return None
+        order = sorted(range(size), key=lambda i: ranks[i])
+        contributors = [i for i in order if brings[i]]
+        good_flags = header[contributors, HEADER_FIELDS:].sum(dim=0) if contributors else None
+        return CommittedSync(
+            participants=[ranks[i] for i in order],
+            contributors=[ranks[i] for i in contributors],
+            payloads=[gathered[i] for i in contributors],
+            good=[] if good_flags is None else [r for r in range(self.replicas)
+                                                 if good_flags[r] > 0.5],
+            loss_sum=float(sum(header[i, 2] for i in contributors)),
+            attempts=0)
+
+    def _all_gather(self, payload: torch.Tensor, size: int) -> list[torch.Tensor] | None:
+        """Every participant's payload, by slot; None when the collective failed."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        outputs = [torch.empty_like(payload) for _ in range(size)]
+        work = self._pg.allgather([outputs], [payload], AllgatherOptions())
+        self.manager.wrap_future(work.get_future(), default=None).wait()
+        return None if self.manager.errored() is not None else outputs
+
+    def shutdown(self) -> None:
+        """Leave: stop heartbeats and the Manager's server, and close the group's connections
+        so that peers inside a collective with this worker fail at once instead of after
+        `timeout` (survivors go on without it)."""
+        self.manager.shutdown(wait=False)
+        self._pg.abort(errored=False)

@@ -1,0 +1,169 @@
+"""The fault-tolerant outer sync's engine (workers/quorum.py) on a real torchft lighthouse and
+real Managers, one thread per worker in this process (as torchft's own integration tests):
+the committed mean is the plain sum in rank order, a worker that leaves or dies costs one
+attempt and no recomputation, and a replacement heals from a peer."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from torchft._torchft import LighthouseServer  # noqa: E402
+
+from isoloco_ray.workers.quorum import CommittedSync, Contribution, QuorumSeat  # noqa: E402
+
+REPLICAS, HOSTED, NUMEL = 6, 2, 7  # 3 workers hosting 2 replicas each
+
+
+@pytest.fixture
+def lighthouse():
+    # A quorum forms once every member of the previous one has asked (with whoever else has
+    # asked by then), or join_timeout_ms after the first ask when one is missing.
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=2000)
+    yield "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+    server.shutdown()
+
+
+class Worker:
+    """A seat and the state a peer would heal it with (θ, and the committed rounds)."""
+
+    def __init__(self, rank: int, lighthouse: str) -> None:
+        self.rank = rank
+        self.theta = torch.zeros(NUMEL)
+        self.seat = QuorumSeat(rank, REPLICAS, NUMEL, lighthouse, self.state_dict,
+                               self.load_state_dict, min_workers=2,
+                               timeout=timedelta(seconds=10),
+                               quorum_timeout=timedelta(seconds=60))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"theta": self.theta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.theta = state["theta"].clone()
+
+    def contribution(self, round_index: int, good: list[int] | None = None) -> Contribution:
+        """Seeded by (rank, round): the same tensor whenever it is asked for again."""
+        generator = torch.Generator().manual_seed(1000 * round_index + self.rank)
+        good = good if good is not None else [HOSTED * self.rank + i for i in range(HOSTED)]
+        return Contribution(torch.randn(NUMEL, generator=generator), good,
+                            loss_sum=float(len(good)) + self.rank / 8)
+
+    def step(self, result: CommittedSync) -> None:
+        self.theta -= result.mean()
+
+
+def in_threads(*calls: Callable[[], Any], timeout: float = 60) -> list[Any]:
+    """Run each call on its own thread; their results, in order (an exception is re-raised)."""
+    results: list[Any] = [None] * len(calls)
+
+    def run(index: int, call: Callable[[], Any]) -> None:
+        try:
+            results[index] = call()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            results[index] = exc
+
+    threads = [threading.Thread(target=run, args=(i, call), daemon=True)
+               for i, call in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+        assert not thread.is_alive(), "a worker's sync did not end"
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def plain_mean(*payloads: torch.Tensor, good: int) -> torch.Tensor:
+    total = payloads[0].clone()
+    for payload in payloads[1:]:
+        total += payload
+    return total / good
+
+
+def test_the_mean_is_the_plain_sum_in_rank_order_and_a_worker_that_left_is_not_waited_for(
+        lighthouse):
+    workers = [Worker(rank, lighthouse) for rank in range(3)]
+    try:
+        # Round 1: worker 1's second replica diverged: its Δ is not in worker 1's sum.
+        given = [workers[0].contribution(1), workers[1].contribution(1, good=[2]),
+                 workers[2].contribution(1)]
+        results = in_threads(*[lambda w=w, c=c: w.seat.sync(c) for w, c in zip(workers, given)])
+        expected = plain_mean(*(c.payload for c in given), good=5)
+        for result in results:
+            assert (result.participants, result.contributors) == ([0, 1, 2], [0, 1, 2])
+            assert result.good == [0, 1, 2, 4, 5] and result.attempts == 1
+            assert result.loss_sum == sum(c.loss_sum for c in given)
+            assert torch.equal(result.mean(), expected)  # bit for bit, on every worker
+        # Round 2: worker 1 has left; the others commit without it.
+        workers[1].seat.shutdown()
+        survivors = [workers[0], workers[2]]
+        given = [w.contribution(2) for w in survivors]
+        results = in_threads(*[lambda w=w, c=c: w.seat.sync(c)
+                               for w, c in zip(survivors, given)])
+        for result in results:
+            assert (result.participants, result.contributors) == ([0, 2], [0, 2])
+            assert result.good == [0, 1, 4, 5]
+            assert torch.equal(result.mean(), plain_mean(*(c.payload for c in given), good=4))
+    finally:
+        for worker in workers:
+            worker.seat.shutdown()
+
+
+def test_a_worker_dying_inside_the_sync_costs_one_quorum_and_a_replacement_heals(lighthouse):
+    workers = [Worker(rank, lighthouse) for rank in range(3)]
+    replacement = None
+    try:
+        round_1 = in_threads(*[lambda w=w: w.seat.sync(w.contribution(1)) for w in workers])
+        for worker, result in zip(workers, round_1):
+            worker.step(result)
+
+        def die_after_joining() -> None:  # in the quorum, then gone before the exchange
+            workers[1].seat.manager.start_quorum()
+            workers[1].seat.shutdown()  # its connections close, as a dead process's do
+
+        survivors = [workers[0], workers[2]]
+        given = [w.contribution(2) for w in survivors]
+        held = [c.payload.clone() for c in given]
+        *results, _ = in_threads(*[lambda w=w, c=c: w.seat.sync(c)
+                                   for w, c in zip(survivors, given)], die_after_joining)
+        for worker, result in zip(survivors, results):
+            assert result.attempts == 2  # the first quorum held the dead worker
+            assert (result.participants, result.contributors) == ([0, 2], [0, 2])
+            assert torch.equal(result.mean(), plain_mean(*held, good=4))  # Δ kept, not redone
+            worker.step(result)
+        assert torch.equal(workers[0].theta, workers[2].theta)
+
+        # A replacement for worker 1 starts from nothing: it heals from a peer inside the next
+        # quorum and brings no Δ to it (its Δ would come from another θ).
+        replacement = Worker(1, lighthouse)
+
+        def join() -> CommittedSync:
+            return replacement.seat.sync(replacement.contribution(3))
+
+        def survivor(worker: Worker) -> Callable[[], CommittedSync]:
+            def sync() -> CommittedSync:
+                # The replacement asks first, so the quorum that forms when both survivors
+                # have asked holds it.
+                time.sleep(0.5)
+                return worker.seat.sync(worker.contribution(3))
+            return sync
+
+        joined, *results = in_threads(join, survivor(workers[0]), survivor(workers[2]))
+        assert joined.healed and not results[0].healed
+        for result in (joined, *results):
+            assert (result.participants, result.contributors) == ([0, 1, 2], [0, 2])
+            assert result.good == [0, 1, 4, 5]
+        assert torch.equal(replacement.theta, workers[0].theta)  # healed before the step
+    finally:
+        for worker in workers + ([replacement] if replacement else []):
+            worker.seat.shutdown()
