@@ -96,6 +96,20 @@ def test_resumed_stream_continues_with_the_next_unseen_batch(small_dataset, seq_
             torch.testing.assert_close(resumed.next_batch(), whole.next_batch())
 
 
+@pytest.mark.parametrize(("seq_len", "batch"), [(64, 4), (32, 5), (16, 7)])
+def test_the_position_after_n_batches_is_where_reading_them_leaves_a_stream(small_dataset,
+                                                                              seq_len, batch):
+    """position_after is a function of the count alone (a replica that rejoins reads what it
+    would have read), across epochs and their last, partly unread, sequences."""
+    share = replica_share(small_dataset, 1, 2)
+    stream = stream_of(share, seq_len=seq_len, batch_size=batch)
+    per_epoch = share.rows * (64 // seq_len) // batch
+    assert stream.position_after(0) == StreamPosition()
+    for read in range(1, 2 * per_epoch + 3):
+        stream.next_batch()
+        assert stream.position_after(read) == stream.position, read
+
+
 class CountingReader:
     """read_with_pyarrow, recording the ranges each open starts with."""
 

@@ -257,6 +257,16 @@ class ReplicaStream:
         self.position = StreamPosition(position.epoch, position.sequences)
         self._sequences = self._open(position.sequences)
 
+    def position_after(self, batches: int) -> StreamPosition:
+        """Where a stream opened at the start stands after `batches` batches: a function of
+        the count alone (a batch never straddles two epochs; an epoch's last batch leaves the
+        position at its end, and the next batch starts the next epoch)."""
+        per_epoch = self._share.rows * self._per_row // self._batch_size
+        if batches == 0:
+            return StreamPosition()
+        epoch, within = divmod(batches - 1, per_epoch)
+        return StreamPosition(epoch, (within + 1) * self._batch_size)
+
     def close(self) -> None:
         """Stop the reader now (Ray Data's executor and its threads with it), not when it is
         garbage collected: an open one left at exit can keep the process from ending."""

@@ -176,6 +176,28 @@ class Replica:
         self.optimizer.state.clear()
         self.losses_finite = True
 
+    def rejoin(self, steps_done: int, global_params: Mapping[str, torch.Tensor]) -> None:
+        """Go on as a replica that took no part in the syncs so far but is due to start inner
+        step `steps_done` + 1 now (its worker was lost, or replaced): θ_r ← θ, AdamW's moments
+        forgotten, the LR schedule at step `steps_done`, and the stream where `steps_done`
+        batches from the start leave it (a function of the count: ReplicaStream.
+        position_after), so it reads what it would have read; nothing else of the past is
+        kept (error-feedback residual)."""
+        self.take_global(global_params, list(self.params))
+        self.optimizer.state.clear()
+        # LambdaLR sets lr = base_lr · λ(step) afresh at every step: this is the lr that
+        # `steps_done` steps of the schedule leave, bit for bit.
+        schedule = self.schedule
+        schedule.last_epoch = steps_done
+        lrs = [base * factor(steps_done)
+               for base, factor in zip(schedule.base_lrs, schedule.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        schedule._last_lr = lrs  # what get_last_lr() reports, as after a step
+        self.stream.seek(self.stream.position_after(steps_done))
+        self.feedback = {}
+        self.losses_finite = True
+
     def state_dict(self) -> dict[str, Any]:
         """AdamW state, LR schedule, stream position, error-feedback residual (if any) and,
         with `keeps_params`, the parameters and `losses_finite`: tensors and plain values only.
