@@ -18,6 +18,10 @@ pytest.importorskip("torchft")
 
 from torchft._torchft import LighthouseServer  # noqa: E402
 
+from isoloco_ray import aggregators  # noqa: E402
+from isoloco_ray.config import load_config  # noqa: E402
+from isoloco_ray.strategies import OuterMerge  # noqa: E402
+from isoloco_ray.workers.outer.step import OuterSync  # noqa: E402
 from isoloco_ray.workers.quorum import CommittedSync, Contribution, QuorumSeat  # noqa: E402
 
 REPLICAS, HOSTED, NUMEL = 6, 2, 7  # 3 workers hosting 2 replicas each
@@ -167,3 +171,95 @@ def test_a_worker_dying_inside_the_sync_costs_one_quorum_and_a_replacement_heals
     finally:
         for worker in workers + ([replacement] if replacement else []):
             worker.seat.shutdown()
+
+
+SHAPES = {"w": (4, 3), "b": (5,)}
+
+
+def seeded(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "isoc"])  # an elementwise and a spectral merge
+def test_the_outer_step_over_a_quorum_is_the_plain_step_over_its_contributors(lighthouse,
+                                                                            strategy):
+    """OuterSync.quorum_step on 3 workers (2 replicas each), one replica diverged in round 1
+    and a worker gone in round 2: every survivor's θ is the plain outer step's, bit for bit,
+    over the sums of the replicas that took part (each worker's in replica order, then the
+    workers' in rank order)."""
+    outer = load_config([f"--outer.strategy={strategy}", "--outer.lr=0.7",
+                         "--outer.placement=replicated", "--scaling.replicas=6"]).outer
+    numel = sum(torch.Size(shape).numel() for shape in SHAPES.values())
+
+    class Peer:
+        def __init__(self, rank: int) -> None:
+            self.rank, self.theta = rank, seeded(0)
+            self.outer = OuterSync(outer, REPLICAS, seed=0)
+            self.seat = QuorumSeat(rank, REPLICAS, numel, lighthouse, self.state_dict,
+                                   self.load_state_dict, min_workers=2,
+                                   timeout=timedelta(seconds=10),
+                                   quorum_timeout=timedelta(seconds=60))
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"theta": self.theta, "outer": self.outer.state_dict()}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:  # not called here
+            raise AssertionError("no worker is behind in this test")
+
+        def step(self, round_index: int, diverged: set[int]) -> CommittedSync:
+            hosted = {r: seeded(100 * round_index + r)
+                      for r in range(HOSTED * self.rank, HOSTED * self.rank + HOSTED)}
+            _, committed = self.outer.quorum_step(self.theta, hosted, round_index, self.seat,
+                                                  diverged)
+            return committed
+
+    # The plain outer step, written out.
+    theta, optimizer = seeded(0), aggregators.OuterOptimizer(
+        lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
+    merge = OuterMerge.of(outer).merge
+
+    def plain_step(round_index: int, workers: list[int], good: list[int]) -> None:
+        means = {}
+        for name in SHAPES:
+            sums = []
+            for worker in workers:
+                total = torch.zeros(SHAPES[name])
+                for r in range(HOSTED * worker, HOSTED * worker + HOSTED):
+                    if r in good:
+                        total += seeded(100 * round_index + r)[name]
+                sums.append(total)
+            total = sums[0].clone()
+            for part in sums[1:]:
+                total += part
+            means[name] = total / len(good)
+        directions = means if merge == "mean" else aggregators.merge_all(
+            merge, {name: [mean] for name, mean in means.items()})
+        optimizer.apply(theta, {name: optimizer.update(name, g)
+                                for name, g in directions.items()})
+
+    peers = [Peer(rank) for rank in range(3)]
+    try:
+        results = in_threads(*[lambda p=p: p.step(1, {3}) for p in peers])
+        assert all(result.good == [0, 1, 2, 4, 5] for result in results)
+        plain_step(1, [0, 1, 2], [0, 1, 2, 4, 5])
+        peers[2].seat.shutdown()
+        results = in_threads(*[lambda p=p: p.step(2, set()) for p in peers[:2]])
+        assert all(result.contributors == [0, 1] for result in results)
+        plain_step(2, [0, 1], [0, 1, 2, 3])
+        for peer in peers[:2]:
+            for name in SHAPES:
+                assert torch.equal(peer.theta[name], theta[name]), (peer.rank, name)
+    finally:
+        for peer in peers:
+            peer.seat.shutdown()
+
+
+def test_the_quorum_step_refuses_a_route_it_cannot_run():
+    outer = load_config(["--outer.strategy=tsv", "--scaling.replicas=6"]).outer
+    with pytest.raises(ValueError, match="tsv with these outer settings sends each Δ_r"):
+        OuterSync(outer, REPLICAS, seed=0).quorum_step(seeded(0), {0: seeded(1)}, 1, None)
+    outer = load_config(["--outer.strategy=isoc", "--scaling.replicas=6"]).outer
+    with pytest.raises(ValueError, match="needs outer.placement=replicated"):
+        OuterSync(outer, REPLICAS, seed=0).quorum_step(seeded(0), {0: seeded(1)}, 1, None)
+

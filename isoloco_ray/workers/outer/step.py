@@ -28,6 +28,7 @@ from isoloco_ray.workers.outer.payload import Payloads
 from isoloco_ray.workers.outer.plan import OuterPlan
 from isoloco_ray.workers.outer.route import Route
 from isoloco_ray.workers.outer.transport import Contributions, Transport
+from isoloco_ray.workers.quorum import CommittedSync, Contribution, QuorumSeat
 
 
 @dataclass
@@ -171,6 +172,51 @@ class OuterSync:
             self.optimizer.apply(global_params, updates)
         stats.bytes_received = self.transport.take_bytes()
         return stats
+
+    def quorum_step(self, global_params: dict[str, torch.Tensor],
+                    hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
+                    seat: QuorumSeat, diverged: Collection[int] = (), loss_sum: float = 0.0
+                    ) -> tuple[OuterStepStats, CommittedSync]:
+        """The outer step over the workers alive this round (scaling.fault_tolerance:
+        replica): this worker's sum of its good hosted Δ_r goes to the round's quorum
+        (quorum.py), and the committed mean, Σ over the contributors in rank order / the good
+        replicas, is merged and applied as `step` does. `global_params` and the outer state
+        may be replaced by a peer's inside the sync (this worker was behind: it brings no Δ).
+        Only the route that sums and merges everywhere (mean-only strategies, a lossless wire,
+        outer.placement replicated or, for elementwise merges, sharded): ValueError otherwise."""
+        if not self.route.sums:
+            raise ValueError(f"outer.strategy {self.outer.strategy} with these outer settings "
+                             "sends each Δ_r, not their sums: the quorum's outer step cannot "
+                             "run it")
+        if not self.route.everyone_merges:
+            raise ValueError(f"outer.strategy {self.outer.strategy} merges on owner ranks: the "
+                             "quorum's outer step needs outer.placement=replicated")
+        stats = OuterStepStats()
+        device = next(iter(global_params.values())).device
+        names = list(global_params)
+        good = sorted(r for r, delta in hosted.items() if r not in diverged
+                      and all(bool(torch.isfinite(t).all()) for t in delta.values()))
+        contribution = None
+        if good:
+            with stopwatch(stats, "merge_seconds", device):
+                payload = self.payloads.make(hosted, good, round_index)
+                flat = torch.cat([payload[name][0].reshape(-1) for name in names])
+            contribution = Contribution(flat, good, loss_sum)
+        with stopwatch(stats, "comm_seconds", device):
+            committed = seat.sync(contribution)
+        stats.dropped = [r for r in range(self.replicas) if r not in committed.good]
+        # The other participants' float32 payloads (the all-gather; headers are a few bytes).
+        stats.bytes_received = (len(committed.participants) - 1) * 4 * sum(
+            t.numel() for t in global_params.values())
+        if not committed.good:
+            stats.skipped = True
+            return stats, committed
+        with stopwatch(stats, "merge_seconds", device):
+            parts = committed.mean().split([global_params[name].numel() for name in names])
+            means = {name: part.view_as(global_params[name]) for name, part in zip(names, parts)}
+            updates = self._momentum_updates(self._merged_means(means))
+            self.optimizer.apply(global_params, updates)
+        return stats, committed
 
     # -- what each rank contributes ------------------------------------------------------------
 
