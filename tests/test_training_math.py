@@ -130,3 +130,18 @@ def test_replica_spread_over_two_workers_matches_one_worker(small_dataset, strat
     assert summary_spread["final_eval_loss"] == pytest.approx(summary_whole["final_eval_loss"],
                                                               abs=1e-5)
     assert summary_spread["tokens"] == summary_whole["tokens"]
+
+
+@pytest.mark.parametrize("strategy", ["diloco", "isoc"])
+def test_the_plain_loop_over_quorums_is_the_plain_loop_when_one_worker_takes_every_round(
+        small_dataset, strategy):
+    """plain_loop.run_over_quorums (the reference for workers missing rounds) with one worker
+    hosting every replica, present in every round: the plain loop, bit for bit."""
+    from isoloco_ray.workers import plain_loop
+
+    cfg = load_config(TINY + ["--scaling.replicas=4", "--scaling.replicas_per_worker=4",
+                              "--run.rounds=3", f"--outer.strategy={strategy}"])
+    plain = plain_loop.run(cfg, small_dataset)
+    over_quorums = plain_loop.run_over_quorums(cfg, small_dataset, [[0]] * cfg.run.rounds)
+    for name, value in plain.items():
+        assert torch.equal(over_quorums[name], value), name

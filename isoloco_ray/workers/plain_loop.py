@@ -15,6 +15,8 @@ the same.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from isoloco_ray import aggregators
@@ -25,7 +27,7 @@ from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.workers.fragments import split_fragments
 from isoloco_ray.workers.model import build_model
 from isoloco_ray.workers.outer.step import OuterSync
-from isoloco_ray.workers.replica import make_inner_optimizer
+from isoloco_ray.workers.replica import make_inner_optimizer, schedule_at
 
 
 def make_replicas(cfg: TrainConfig, data_dir: DataDir) -> list[tuple]:
@@ -51,6 +53,60 @@ def inner_step(cfg: TrainConfig, model, optimizer_and_schedule, stream) -> None:
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.clip)
     optimizer.step()
     schedule.step()
+
+
+def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
+                     contributors: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+    """DiLoCo when workers miss rounds (the quorum's outer step, OuterSync.quorum_step),
+    plainly: W = R/V workers, worker w hosting replicas wV … wV+V−1. In round j only the
+    workers in `contributors[j]` take their inner steps and each sends the sum of its
+    replicas' Δ_r (in replica order); the mean is those sums added in rank order, over the
+    number of replicas in them, merged and applied by the outer optimizer. A worker absent
+    from round j has its replicas start round j+1 from θ with fresh AdamW moments, their LR
+    schedule and stream where (j+1)·H steps leave them (Replica.rejoin). Mean-only merges,
+    no streaming settings."""
+    replicas = make_replicas(cfg, data_dir)
+    hosted = cfg.scaling.replicas_per_worker
+    workers = len(replicas) // hosted
+    theta = {n: p.detach().clone() for n, p in replicas[0][0].named_parameters()}
+    resolved = OuterMerge.of(cfg.outer)
+    optimizer = aggregators.OuterOptimizer(lr=cfg.outer.lr, momentum=cfg.outer.momentum,
+                                           nesterov=cfg.outer.nesterov)
+    steps = cfg.inner.steps
+    for round_index, present in enumerate(contributors):
+        present = sorted(present)
+        sums = []
+        for worker in present:
+            mine = range(worker * hosted, worker * hosted + hosted)
+            for r in mine:
+                for _ in range(steps):
+                    inner_step(cfg, *replicas[r])
+            with torch.no_grad():  # Σ_r Δ_r from zero in replica order, as Payloads.make
+                params = [dict(replicas[r][0].named_parameters()) for r in mine]
+                sums.append({n: sum((theta[n] - p[n] for p in params), torch.zeros_like(t))
+                             for n, t in theta.items()})
+        with torch.no_grad():
+            means = {}
+            for name in theta:
+                total = sums[0][name].clone()
+                for part in sums[1:]:
+                    total += part[name]
+                means[name] = total / (len(present) * hosted)
+            directions = means if resolved.merge == "mean" else aggregators.merge_all(
+                resolved.merge, {name: [mean] for name, mean in means.items()})
+            optimizer.apply(theta, {name: optimizer.update(name, direction)
+                                    for name, direction in directions.items()})
+            done = (round_index + 1) * steps
+            for worker in range(workers):
+                for r in range(worker * hosted, worker * hosted + hosted):
+                    model, (adamw, schedule), stream = replicas[r]
+                    for n, p in model.named_parameters():
+                        p.copy_(theta[n])
+                    if worker not in present:  # rejoins: Replica.rejoin, written out
+                        adamw.state.clear()
+                        schedule_at(adamw, schedule, done)
+                        stream.seek(stream.position_after(done))
+    return theta
 
 
 def streaming_run(cfg: TrainConfig, data_dir: DataDir) -> dict[str, torch.Tensor]:

@@ -44,6 +44,18 @@ def make_inner_optimizer(model: nn.Module, inner: InnerConfig, total_steps: int,
     return optimizer, schedule
 
 
+def schedule_at(optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LambdaLR,
+                steps_done: int) -> None:
+    """Put `schedule` (and `optimizer`'s lr) where `steps_done` of its steps leave it, bit for
+    bit: LambdaLR sets lr = base_lr · λ(step) afresh at every step."""
+    schedule.last_epoch = steps_done
+    lrs = [base * factor(steps_done)
+           for base, factor in zip(schedule.base_lrs, schedule.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    schedule._last_lr = lrs  # what get_last_lr() reports, as after a step
+
+
 def accumulate_gradients(runtime: Runtime, batch: torch.Tensor, micro_batch_size: int
                          ) -> torch.Tensor:
     """Forward/backward `batch` in micro-batches, adding the gradients of the batch's mean loss
@@ -185,15 +197,7 @@ class Replica:
         kept (error-feedback residual)."""
         self.take_global(global_params, list(self.params))
         self.optimizer.state.clear()
-        # LambdaLR sets lr = base_lr · λ(step) afresh at every step: this is the lr that
-        # `steps_done` steps of the schedule leave, bit for bit.
-        schedule = self.schedule
-        schedule.last_epoch = steps_done
-        lrs = [base * factor(steps_done)
-               for base, factor in zip(schedule.base_lrs, schedule.lr_lambdas)]
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        schedule._last_lr = lrs  # what get_last_lr() reports, as after a step
+        schedule_at(self.optimizer, self.schedule, steps_done)
         self.stream.seek(self.stream.position_after(steps_done))
         self.feedback = {}
         self.losses_finite = True
