@@ -5,6 +5,7 @@ attempt and no recomputation, and a replacement heals from a peer."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+# torchft's Rust side logs every quorum at INFO straight to the process's stderr, past
+# pytest's capture; warnings and errors still show.
+os.environ.setdefault("RUST_LOG", "warn")
 pytest.importorskip("torchft")
 
 from torchft._torchft import LighthouseServer  # noqa: E402
