@@ -48,7 +48,8 @@ class Worker:
         self.theta = torch.zeros(NUMEL)
         self.seat = QuorumSeat(rank, REPLICAS, NUMEL, lighthouse, self.state_dict,
                                self.load_state_dict, min_workers=2,
-                               timeout=timedelta(seconds=10),
+                               # A dead peer fails a collective within this (at once, mostly).
+                               timeout=timedelta(seconds=5),
                                quorum_timeout=timedelta(seconds=60))
 
     def state_dict(self) -> dict[str, Any]:

@@ -174,8 +174,8 @@ class QuorumSeat:
         return None if self.manager.errored() is not None else outputs
 
     def shutdown(self) -> None:
-        """Leave: stop heartbeats and the Manager's server, and close the group's connections
-        so that peers inside a collective with this worker fail at once instead of after
-        `timeout` (survivors go on without it)."""
+        """Leave: stop heartbeats and the Manager's server, and drop the process group, whose
+        connections then close, so that peers inside a collective with this worker mostly
+        fail at once rather than after `timeout` (survivors go on without it)."""
         self.manager.shutdown(wait=False)
         self._pg.abort(errored=False)
