@@ -268,3 +268,47 @@ def test_the_quorum_step_refuses_a_route_it_cannot_run():
     with pytest.raises(ValueError, match="needs outer.placement=replicated"):
         OuterSync(outer, REPLICAS, seed=0).quorum_step(seeded(0), {0: seeded(1)}, 1, None)
 
+
+
+def test_trainers_syncing_over_a_quorum_train_as_the_plain_loop_over_quorums(lighthouse,
+                                                                           small_dataset):
+    """3 Trainers (2 replicas each), one per thread, each with a quorum seat and no process
+    group: every round's outer step goes through the quorum, and each ends with the θ of
+    plain_loop.run_over_quorums with every worker in every round, bit for bit; each worker
+    scores the whole eval set and reports the quorum's loss."""
+    from isoloco_ray.data.format import DatasetMeta
+    from isoloco_ray.data.stream import read_with_pyarrow
+    from isoloco_ray.workers import plain_loop
+    from isoloco_ray.workers.loop import Trainer, WorkerEnv
+    from isoloco_ray.workers.model import build_model
+
+    cfg = load_config(["--model.preset=tiny", "--inner.steps=3", "--run.rounds=3",
+                       "--data.seq_len=64", "--data.batch_size=4", "--data.micro_batch_size=4",
+                       "--run.eval_tokens=512", "--run.eval_every=3", "--scaling.replicas=6",
+                       "--scaling.replicas_per_worker=2"])
+    vocab = DatasetMeta.load(small_dataset).vocab_size
+    numel = sum(p.numel() for p in build_model(cfg.model, vocab, cfg.run.seed).parameters())
+    trainers: list[Trainer] = []
+    reports: list[list[dict]] = [[] for _ in range(3)]
+    for rank in range(3):
+        seat = QuorumSeat(rank, REPLICAS, numel, lighthouse, lambda: {}, lambda state: None,
+                          min_workers=2, timeout=timedelta(seconds=30),
+                          quorum_timeout=timedelta(seconds=60))
+        env = WorkerEnv(rank=rank, world=3, device=torch.device("cpu"),
+                        read_rows=read_with_pyarrow,
+                        report=lambda metrics, _, rank=rank: reports[rank].append(metrics),
+                        seat=seat)
+        trainers.append(Trainer(cfg, small_dataset, env))
+    try:
+        summaries = in_threads(*[trainer.run for trainer in trainers], timeout=120)
+    finally:
+        for trainer in trainers:
+            trainer.env.seat.shutdown()
+    expected = plain_loop.run_over_quorums(cfg, small_dataset, [[0, 1, 2]] * cfg.run.rounds)
+    for trainer in trainers:
+        for name, value in expected.items():
+            assert torch.equal(trainer.global_params[name], value), name
+    assert len({s["final_eval_loss"] for s in summaries}) == 1  # the whole set, everywhere
+    for round_index in (1, 2, 3):
+        lines = [next(m for m in mine if m["round"] == round_index) for mine in reports]
+        assert len({m["loss"] for m in lines}) == 1 and lines[0]["dropped_replicas"] == []

@@ -30,8 +30,12 @@ class DiLoCoRounds:
     background: Background | None  # the thread syncs run on with outer.delay
 
     def __init__(self, trainer: Trainer) -> None:
+        if trainer.env.seat is not None and trainer.cfg.outer.streaming:
+            raise ValueError("the quorum's outer step runs without outer.fragments, delay and "
+                             "mix: leave them at their defaults")
         self.trainer = trainer
         self.in_flight = {}
+        self.quorum_loss_sum = 0.0  # with a quorum seat: the round's committed loss sum
         self.background = (Background(trainer.env.device) if trainer.cfg.outer.delay > 0
                            else None)
 
@@ -58,7 +62,7 @@ class DiLoCoRounds:
                     # Every rank stops together before a sync when any rank's data failed.
                     stop_if_any_rank_failed(data_error, trainer.round)
                     checked = True
-                    self._start_sync(event.fragment, event.sync_round)
+                    self._start_sync(event.fragment, event.sync_round, losses)
                 else:
                     stats.add(self._finish_sync(event.fragment))
             if done < steps:
@@ -69,6 +73,8 @@ class DiLoCoRounds:
                 stop_if_any_rank_failed(data_error, trainer.round)
         finally:
             self._wait_for_syncs()
+        if trainer.env.seat is not None:  # every contributing worker's, from the quorum
+            return self.quorum_loss_sum, inner_seconds, stats
         counted = trainer.layout.position == 0
         total = 0.0
         for replica in trainer.replicas:
@@ -99,9 +105,11 @@ class DiLoCoRounds:
                 trainer.env.after_replica(trainer.round, replica.index)
         return time.perf_counter() - started, data_error
 
-    def _start_sync(self, fragment: int, sync_round: int) -> None:
+    def _start_sync(self, fragment: int, sync_round: int,
+                    losses: dict[int, list[torch.Tensor]]) -> None:
         """Take the hosted replicas' Δ_r of `fragment` and start its outer step: at once, or
-        in the background with outer.delay."""
+        in the background with outer.delay, or over the round's quorum (`losses`: each hosted
+        replica's inner losses this round, for the quorum's loss sum)."""
         trainer = self.trainer
         outer = trainer.cfg.outer
         names = trainer.fragments[fragment]
@@ -116,6 +124,16 @@ class DiLoCoRounds:
         feedback = ({r.index: r.feedback for r in trainer.replicas} if outer.error_feedback
                     else None)
         target = {name: trainer.global_params[name] for name in names}
+        if trainer.env.seat is not None:
+            started = time.perf_counter()
+            mean_losses = {r: torch.stack(values).mean().item()
+                           for r, values in losses.items()}
+            stats, committed = trainer.outer.quorum_step(target, deltas, sync_round,
+                                                         trainer.env.seat, diverged, mean_losses)
+            stats.wait_seconds = time.perf_counter() - started
+            self.quorum_loss_sum = committed.loss_sum
+            self.in_flight[fragment] = stats
+            return
 
         def step() -> OuterStepStats:
             return trainer.outer.step(target, deltas, sync_round, diverged, feedback)

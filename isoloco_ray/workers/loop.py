@@ -38,6 +38,7 @@ from isoloco_ray.workers.fragments import split_fragments
 from isoloco_ray.workers.layout import WorkerLayout, placement_warning
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
 from isoloco_ray.workers.outer.step import OuterSync
+from isoloco_ray.workers.quorum import QuorumSeat
 from isoloco_ray.workers.replica import (Replica, load_parameters, parameters_finite,
                                          snapshot_parameters)
 from isoloco_ray.workers.round_metrics import Metrics, round_metrics
@@ -64,6 +65,9 @@ class WorkerEnv:
     checkpoint_room: Callable[[int], str | None] | None = None
     # Test hook: called after each replica's inner steps with (round, replica).
     after_replica: Callable[[int, int], None] | None = None
+    # This worker's seat in each round's torchft quorum (quorum.py): the outer sync runs over
+    # the workers alive that round, and every other collective stays within this worker.
+    seat: QuorumSeat | None = None
 
 
 class Trainer:
@@ -181,8 +185,9 @@ class Trainer:
     def evaluate(self) -> float:
         """Validation loss of the global parameters."""
         load_parameters(self.model, self.global_params)
-        loss = evaluate(self.runtime, self.eval_set, self.env.rank, self.env.world,
-                        self.cfg.data.micro_batch_size)
+        # With a quorum seat each worker scores the whole set: its peers may be gone.
+        rank, world = (0, 1) if self.env.seat is not None else (self.env.rank, self.env.world)
+        loss = evaluate(self.runtime, self.eval_set, rank, world, self.cfg.data.micro_batch_size)
         if not math.isfinite(loss):  # the same on every rank: the loss is all-reduced
             raise TrainingStopped(
                 f"the validation loss is {loss} after round {self.round}; the last checkpoint "

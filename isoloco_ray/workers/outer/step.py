@@ -175,14 +175,16 @@ class OuterSync:
 
     def quorum_step(self, global_params: dict[str, torch.Tensor],
                     hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
-                    seat: QuorumSeat, diverged: Collection[int] = (), loss_sum: float = 0.0
+                    seat: QuorumSeat, diverged: Collection[int] = (),
+                    losses: Mapping[int, float] | None = None
                     ) -> tuple[OuterStepStats, CommittedSync]:
         """The outer step over the workers alive this round (scaling.fault_tolerance:
         replica): this worker's sum of its good hosted Δ_r goes to the round's quorum
         (quorum.py), and the committed mean, Σ over the contributors in rank order / the good
-        replicas, is merged and applied as `step` does. `global_params` and the outer state
-        may be replaced by a peer's inside the sync (this worker was behind: it brings no Δ).
-        Only the route that sums and merges everywhere (mean-only strategies, a lossless wire,
+        replicas, is merged and applied as `step` does; `losses` (each hosted replica's mean
+        inner loss) are summed over the good ones into the quorum's loss sum. `global_params`
+        and the outer state may be replaced by a peer's inside the sync (this worker was
+        behind: it brings no Δ). Only the route that sums and merges everywhere (mean-only strategies, a lossless wire,
         outer.placement replicated or, for elementwise merges, sharded): ValueError otherwise."""
         if not self.route.sums:
             raise ValueError(f"outer.strategy {self.outer.strategy} with these outer settings "
@@ -201,7 +203,8 @@ class OuterSync:
             with stopwatch(stats, "merge_seconds", device):
                 payload = self.payloads.make(hosted, good, round_index)
                 flat = torch.cat([payload[name][0].reshape(-1) for name in names])
-            contribution = Contribution(flat, good, loss_sum)
+            contribution = Contribution(flat, good, sum((losses or {}).get(r, 0.0)
+                                                        for r in good))
         with stopwatch(stats, "comm_seconds", device):
             committed = seat.sync(contribution)
         stats.dropped = [r for r in range(self.replicas) if r not in committed.good]
