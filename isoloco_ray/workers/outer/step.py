@@ -184,8 +184,9 @@ class OuterSync:
         replicas, is merged and applied as `step` does; `losses` (each hosted replica's mean
         inner loss) are summed over the good ones into the quorum's loss sum. `global_params`
         and the outer state may be replaced by a peer's inside the sync (this worker was
-        behind: it brings no Δ). Only the route that sums and merges everywhere (mean-only strategies, a lossless wire,
-        outer.placement replicated or, for elementwise merges, sharded): ValueError otherwise."""
+        behind: it brings no Δ). Only the route that sums and merges everywhere (mean-only
+        strategies, a lossless wire, outer.placement replicated or, for elementwise merges,
+        sharded): ValueError otherwise."""
         if not self.route.sums:
             raise ValueError(f"outer.strategy {self.outer.strategy} with these outer settings "
                              "sends each Δ_r, not their sums: the quorum's outer step cannot "
