@@ -312,3 +312,84 @@ def test_trainers_syncing_over_a_quorum_train_as_the_plain_loop_over_quorums(lig
     for round_index in (1, 2, 3):
         lines = [next(m for m in mine if m["round"] == round_index) for mine in reports]
         assert len({m["loss"] for m in lines}) == 1 and lines[0]["dropped_replicas"] == []
+
+
+class Lost(Exception):
+    """A worker's death, in a test."""
+
+
+def test_a_lost_trainer_is_replaced_and_the_run_goes_on_as_the_plain_loop_over_its_quorums(
+        lighthouse, small_dataset):
+    """Worker 1 of 3 dies mid-round 2 (after one of its replicas' inner steps): the others'
+    sync goes on without it, a fresh Trainer for rank 1 joins a later sync, is healed there
+    (θ, outer momentum, counters) and its replicas rejoin. Every worker, the replacement too,
+    ends with the θ of plain_loop.run_over_quorums over the quorums that happened (recorded
+    by worker 0; which round the replacement joins depends on timing), bit for bit."""
+    from isoloco_ray.data.format import DatasetMeta
+    from isoloco_ray.data.stream import read_with_pyarrow
+    from isoloco_ray.workers import plain_loop
+    from isoloco_ray.workers.loop import Trainer, WorkerEnv
+    from isoloco_ray.workers.model import build_model
+
+    cfg = load_config(["--model.preset=tiny", "--inner.steps=3", "--run.rounds=4",
+                       "--data.seq_len=64", "--data.batch_size=4", "--data.micro_batch_size=4",
+                       "--run.eval_tokens=512", "--run.eval_every=4", "--scaling.replicas=6",
+                       "--scaling.replicas_per_worker=2"])
+    vocab = DatasetMeta.load(small_dataset).vocab_size
+    numel = sum(p.numel() for p in build_model(cfg.model, vocab, cfg.run.seed).parameters())
+    died = threading.Event()
+
+    def worker(rank: int, after_replica=None) -> Trainer:
+        holder: dict[str, Trainer] = {}
+        seat = QuorumSeat(rank, REPLICAS, numel, lighthouse,
+                          lambda: holder["trainer"].quorum_state(),
+                          lambda state: holder["trainer"].load_quorum_state(state),
+                          min_workers=2, timeout=timedelta(seconds=30),
+                          quorum_timeout=timedelta(seconds=60))
+        env = WorkerEnv(rank=rank, world=3, device=torch.device("cpu"),
+                        read_rows=read_with_pyarrow, report=lambda metrics, _: None,
+                        seat=seat, after_replica=after_replica)
+        holder["trainer"] = Trainer(cfg, small_dataset, env)
+        return holder["trainer"]
+
+    def die(round_index: int, replica: int) -> None:
+        if (round_index, replica) == (1, 2):  # mid-round 2 (0-based 1)
+            trainers[1].env.seat.shutdown()
+            died.set()
+            raise Lost
+
+    trainers = [worker(0), worker(1, after_replica=die), worker(2)]
+    quorums: list[list[int]] = []
+    synced = trainers[0].env.seat.sync
+
+    def recording(contribution):
+        committed = synced(contribution)
+        quorums.append(committed.contributors)
+        return committed
+
+    trainers[0].env.seat.sync = recording
+    replacement: list[Trainer] = []
+
+    def lost_worker() -> None:
+        with pytest.raises(Lost):
+            trainers[1].run()
+
+    def replace() -> dict:
+        assert died.wait(60)
+        replacement.append(worker(1))
+        return replacement[0].run()
+
+    try:
+        summary_0, _, summary_2, summary_1 = in_threads(
+            trainers[0].run, lost_worker, trainers[2].run, replace, timeout=120)
+    finally:
+        for trainer in trainers + replacement:
+            trainer.env.seat.shutdown()
+    rounds = quorums[1:]  # the first sync was the start's join
+    assert len(rounds) == cfg.run.rounds and rounds[0] == [0, 1, 2] and rounds[1] == [0, 2]
+    assert rounds[-1] == [0, 1, 2]  # the replacement took part before the end
+    expected = plain_loop.run_over_quorums(cfg, small_dataset, rounds)
+    for trainer in (trainers[0], trainers[2], replacement[0]):
+        for name, value in expected.items():
+            assert torch.equal(trainer.global_params[name], value), (trainer.env.rank, name)
+    assert summary_0["rounds"] == summary_1["rounds"] == summary_2["rounds"] == cfg.run.rounds

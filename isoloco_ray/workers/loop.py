@@ -199,6 +199,8 @@ class Trainer:
         or {"error": why, "rounds": done} when the run had to stop (TrainingStopped)."""
         env = self.env
         try:
+            if env.seat is not None:
+                self.join()
             if self.initial_eval_loss is None:
                 self.initial_eval_loss = self.last_eval_loss = self.evaluate()
                 env.report({"round": 0, "tokens": 0, "eval_loss": self.initial_eval_loss,
@@ -213,6 +215,40 @@ class Trainer:
             self.runner.close()
         load_parameters(self.model, self.global_params)
         return self.summary()
+
+    # -- a quorum seat (replica-group fault tolerance) ------------------------------------------
+
+    def quorum_state(self) -> dict[str, Any]:
+        """What a peer that fell behind takes from this worker when torchft heals it: θ, the
+        outer optimizer's state and the run's counters (replicas are not sent: `join`)."""
+        return {"global": self.global_params, "outer": self.outer.state_dict(),
+                "counters": {name: getattr(self, name) for name in checkpoint.COUNTERS}}
+
+    def load_quorum_state(self, state: dict[str, Any]) -> None:
+        """Take a peer's `quorum_state`, θ copied into this worker's own tensors."""
+        with torch.no_grad():
+            for name, tensor in self.global_params.items():
+                tensor.copy_(state["global"][name])
+        self.outer.load_state_dict(state["outer"], {n: t.shape for n, t in
+                                                    self.global_params.items()}, self.fragments)
+        for name, value in state["counters"].items():
+            setattr(self, name, value)
+
+    def join(self) -> None:
+        """A worker's first sync, with no Δ: at a fresh start every worker's (nothing to apply);
+        for a worker that replaces a lost one, the survivors' next sync, where it is healed
+        (`load_quorum_state`, their state before that sync) and applies the committed update
+        with them; its replicas then go on from θ as if they had taken the rounds so far
+        (Replica.rejoin)."""
+        assert self.env.seat is not None
+        _, committed = self.outer.quorum_step(self.global_params, {}, self.round,
+                                              self.env.seat)
+        if not committed.healed:
+            return
+        if committed.good:  # the survivors' round, completed here too
+            self.round += 1
+        for replica in self.replicas:
+            replica.rejoin(self.round * self.cfg.inner.steps, self.global_params)
 
     def _train_rounds(self) -> None:
         cfg, env = self.cfg, self.env
