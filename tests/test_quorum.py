@@ -270,35 +270,49 @@ def test_the_quorum_step_refuses_a_route_it_cannot_run():
 
 
 
+def trainer_config(rounds: int):
+    """Tiny Trainers of 2 replicas each, 3 workers, whole batches (as the plain loop)."""
+    return load_config(["--model.preset=tiny", "--inner.steps=3", f"--run.rounds={rounds}",
+                        "--data.seq_len=64", "--data.batch_size=4", "--data.micro_batch_size=4",
+                        "--run.eval_tokens=512", f"--run.eval_every={rounds}",
+                        "--scaling.replicas=6", "--scaling.replicas_per_worker=2"])
+
+
+def seated_trainer(cfg, data_dir, rank: int, lighthouse: str, report=None, after_replica=None):
+    """Worker `rank`'s Trainer (no process group) with a quorum seat that heals through it."""
+    from isoloco_ray.data.format import DatasetMeta
+    from isoloco_ray.data.stream import read_with_pyarrow
+    from isoloco_ray.workers.loop import Trainer, WorkerEnv
+    from isoloco_ray.workers.model import build_model
+
+    vocab = DatasetMeta.load(data_dir).vocab_size
+    numel = sum(p.numel() for p in build_model(cfg.model, vocab, cfg.run.seed).parameters())
+    holder: dict[str, Trainer] = {}
+    seat = QuorumSeat(rank, REPLICAS, numel, lighthouse,
+                      lambda: holder["trainer"].quorum_state(),
+                      lambda state: holder["trainer"].load_quorum_state(state),
+                      min_workers=2, timeout=timedelta(seconds=30),
+                      quorum_timeout=timedelta(seconds=60))
+    env = WorkerEnv(rank=rank, world=3, device=torch.device("cpu"), read_rows=read_with_pyarrow,
+                    report=report or (lambda metrics, _: None), seat=seat,
+                    after_replica=after_replica)
+    holder["trainer"] = Trainer(cfg, data_dir, env)
+    return holder["trainer"]
+
+
 def test_trainers_syncing_over_a_quorum_train_as_the_plain_loop_over_quorums(lighthouse,
                                                                            small_dataset):
     """3 Trainers (2 replicas each), one per thread, each with a quorum seat and no process
     group: every round's outer step goes through the quorum, and each ends with the θ of
     plain_loop.run_over_quorums with every worker in every round, bit for bit; each worker
     scores the whole eval set and reports the quorum's loss."""
-    from isoloco_ray.data.format import DatasetMeta
-    from isoloco_ray.data.stream import read_with_pyarrow
     from isoloco_ray.workers import plain_loop
-    from isoloco_ray.workers.loop import Trainer, WorkerEnv
-    from isoloco_ray.workers.model import build_model
 
-    cfg = load_config(["--model.preset=tiny", "--inner.steps=3", "--run.rounds=3",
-                       "--data.seq_len=64", "--data.batch_size=4", "--data.micro_batch_size=4",
-                       "--run.eval_tokens=512", "--run.eval_every=3", "--scaling.replicas=6",
-                       "--scaling.replicas_per_worker=2"])
-    vocab = DatasetMeta.load(small_dataset).vocab_size
-    numel = sum(p.numel() for p in build_model(cfg.model, vocab, cfg.run.seed).parameters())
-    trainers: list[Trainer] = []
+    cfg = trainer_config(rounds=3)
     reports: list[list[dict]] = [[] for _ in range(3)]
-    for rank in range(3):
-        seat = QuorumSeat(rank, REPLICAS, numel, lighthouse, lambda: {}, lambda state: None,
-                          min_workers=2, timeout=timedelta(seconds=30),
-                          quorum_timeout=timedelta(seconds=60))
-        env = WorkerEnv(rank=rank, world=3, device=torch.device("cpu"),
-                        read_rows=read_with_pyarrow,
-                        report=lambda metrics, _, rank=rank: reports[rank].append(metrics),
-                        seat=seat)
-        trainers.append(Trainer(cfg, small_dataset, env))
+    trainers = [seated_trainer(cfg, small_dataset, rank, lighthouse,
+                               report=lambda metrics, _, rank=rank: reports[rank].append(metrics))
+                for rank in range(3)]
     try:
         summaries = in_threads(*[trainer.run for trainer in trainers], timeout=120)
     finally:
@@ -325,32 +339,14 @@ def test_a_lost_trainer_is_replaced_and_the_run_goes_on_as_the_plain_loop_over_i
     (θ, outer momentum, counters) and its replicas rejoin. Every worker, the replacement too,
     ends with the θ of plain_loop.run_over_quorums over the quorums that happened (recorded
     by worker 0; which round the replacement joins depends on timing), bit for bit."""
-    from isoloco_ray.data.format import DatasetMeta
-    from isoloco_ray.data.stream import read_with_pyarrow
     from isoloco_ray.workers import plain_loop
-    from isoloco_ray.workers.loop import Trainer, WorkerEnv
-    from isoloco_ray.workers.model import build_model
+    from isoloco_ray.workers.loop import Trainer
 
-    cfg = load_config(["--model.preset=tiny", "--inner.steps=3", "--run.rounds=4",
-                       "--data.seq_len=64", "--data.batch_size=4", "--data.micro_batch_size=4",
-                       "--run.eval_tokens=512", "--run.eval_every=4", "--scaling.replicas=6",
-                       "--scaling.replicas_per_worker=2"])
-    vocab = DatasetMeta.load(small_dataset).vocab_size
-    numel = sum(p.numel() for p in build_model(cfg.model, vocab, cfg.run.seed).parameters())
+    cfg = trainer_config(rounds=4)
     died = threading.Event()
 
     def worker(rank: int, after_replica=None) -> Trainer:
-        holder: dict[str, Trainer] = {}
-        seat = QuorumSeat(rank, REPLICAS, numel, lighthouse,
-                          lambda: holder["trainer"].quorum_state(),
-                          lambda state: holder["trainer"].load_quorum_state(state),
-                          min_workers=2, timeout=timedelta(seconds=30),
-                          quorum_timeout=timedelta(seconds=60))
-        env = WorkerEnv(rank=rank, world=3, device=torch.device("cpu"),
-                        read_rows=read_with_pyarrow, report=lambda metrics, _: None,
-                        seat=seat, after_replica=after_replica)
-        holder["trainer"] = Trainer(cfg, small_dataset, env)
-        return holder["trainer"]
+        return seated_trainer(cfg, small_dataset, rank, lighthouse, after_replica=after_replica)
 
     def die(round_index: int, replica: int) -> None:
         if (round_index, replica) == (1, 2):  # mid-round 2 (0-based 1)
