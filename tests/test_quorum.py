@@ -326,6 +326,8 @@ def test_trainers_syncing_over_a_quorum_train_as_the_plain_loop_over_quorums(lig
     for round_index in (1, 2, 3):
         lines = [next(m for m in mine if m["round"] == round_index) for mine in reports]
         assert len({m["loss"] for m in lines}) == 1 and lines[0]["dropped_replicas"] == []
+        assert (lines[0]["quorum"], lines[0]["contributors"], lines[0]["sync_attempts"]) == \
+            ([0, 1, 2], [0, 1, 2], 1)
 
 
 class Lost(Exception):
@@ -337,16 +339,20 @@ def test_a_lost_trainer_is_replaced_and_the_run_goes_on_as_the_plain_loop_over_i
     """Worker 1 of 3 dies mid-round 2 (after one of its replicas' inner steps): the others'
     sync goes on without it, a fresh Trainer for rank 1 joins a later sync, is healed there
     (θ, outer momentum, counters) and its replicas rejoin. Every worker, the replacement too,
-    ends with the θ of plain_loop.run_over_quorums over the quorums that happened (recorded
-    by worker 0; which round the replacement joins depends on timing), bit for bit."""
+    ends with the θ of plain_loop.run_over_quorums over the quorums that happened (worker 0's
+    round metrics; which round the replacement joins depends on timing), bit for bit."""
     from isoloco_ray.workers import plain_loop
     from isoloco_ray.workers.loop import Trainer
 
     cfg = trainer_config(rounds=4)
     died = threading.Event()
 
+    reports: list[dict] = []
+
     def worker(rank: int, after_replica=None) -> Trainer:
-        return seated_trainer(cfg, small_dataset, rank, lighthouse, after_replica=after_replica)
+        report = (lambda metrics, _: reports.append(metrics)) if rank == 0 else None
+        return seated_trainer(cfg, small_dataset, rank, lighthouse, report=report,
+                              after_replica=after_replica)
 
     def die(round_index: int, replica: int) -> None:
         if (round_index, replica) == (1, 2):  # mid-round 2 (0-based 1)
@@ -355,15 +361,6 @@ def test_a_lost_trainer_is_replaced_and_the_run_goes_on_as_the_plain_loop_over_i
             raise Lost
 
     trainers = [worker(0), worker(1, after_replica=die), worker(2)]
-    quorums: list[list[int]] = []
-    synced = trainers[0].env.seat.sync
-
-    def recording(contribution):
-        committed = synced(contribution)
-        quorums.append(committed.contributors)
-        return committed
-
-    trainers[0].env.seat.sync = recording
     replacement: list[Trainer] = []
 
     def lost_worker() -> None:
@@ -381,7 +378,7 @@ def test_a_lost_trainer_is_replaced_and_the_run_goes_on_as_the_plain_loop_over_i
     finally:
         for trainer in trainers + replacement:
             trainer.env.seat.shutdown()
-    rounds = quorums[1:]  # the first sync was the start's join
+    rounds = [m["contributors"] for m in reports if m["round"] > 0]
     assert len(rounds) == cfg.run.rounds and rounds[0] == [0, 1, 2] and rounds[1] == [0, 2]
     assert rounds[-1] == [0, 1, 2]  # the replacement took part before the end
     expected = plain_loop.run_over_quorums(cfg, small_dataset, rounds)

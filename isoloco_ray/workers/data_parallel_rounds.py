@@ -30,6 +30,9 @@ class DataParallelRounds:
     schedule: torch.optim.lr_scheduler.LambdaLR
 
     def __init__(self, trainer: Trainer) -> None:
+        if trainer.env.seat is not None:
+            raise ValueError("outer.strategy adamw_ddp all-reduces gradients at every step "
+                             "over every worker: it cannot run over a quorum")
         self.trainer = trainer
         cfg = trainer.cfg
         self.optimizer, self.schedule = make_inner_optimizer(
@@ -98,6 +101,10 @@ class DataParallelRounds:
         # Every worker's loss is over its share: the world's sum, / G, is the replicas' sum.
         return (loss_sum.item() / cfg.inner.steps / cfg.scaling.workers_per_replica,
                 inner_seconds, stats)
+
+    def quorum_metrics(self) -> dict[str, list[int] | int]:
+        """Nothing: it never runs over a quorum (refused at start)."""
+        return {}
 
     def close(self) -> None:
         """Nothing runs in the background here."""

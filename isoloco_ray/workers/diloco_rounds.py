@@ -16,6 +16,7 @@ from isoloco_ray.workers.agreement import stop_if_any_rank_failed
 from isoloco_ray.workers.fragments import round_events
 from isoloco_ray.workers.outer.step import OuterStepStats
 from isoloco_ray.workers.overlap import Background
+from isoloco_ray.workers.quorum import CommittedSync
 
 if TYPE_CHECKING:
     from isoloco_ray.workers.loop import Trainer
@@ -35,7 +36,7 @@ class DiLoCoRounds:
                              "mix: leave them at their defaults")
         self.trainer = trainer
         self.in_flight = {}
-        self.quorum_loss_sum = 0.0  # with a quorum seat: the round's committed loss sum
+        self.committed: CommittedSync | None = None  # with a quorum seat: the round's sync
         self.background = (Background(trainer.env.device) if trainer.cfg.outer.delay > 0
                            else None)
 
@@ -73,8 +74,8 @@ class DiLoCoRounds:
                 stop_if_any_rank_failed(data_error, trainer.round)
         finally:
             self._wait_for_syncs()
-        if trainer.env.seat is not None:  # every contributing worker's, from the quorum
-            return self.quorum_loss_sum, inner_seconds, stats
+        if self.committed is not None:  # every contributing worker's, from the quorum
+            return self.committed.loss_sum, inner_seconds, stats
         counted = trainer.layout.position == 0
         total = 0.0
         for replica in trainer.replicas:
@@ -131,7 +132,7 @@ class DiLoCoRounds:
             stats, committed = trainer.outer.quorum_step(target, deltas, sync_round,
                                                          trainer.env.seat, diverged, mean_losses)
             stats.wait_seconds = time.perf_counter() - started
-            self.quorum_loss_sum = committed.loss_sum
+            self.committed = committed
             self.in_flight[fragment] = stats
             return
 
@@ -174,6 +175,15 @@ class DiLoCoRounds:
             if isinstance(pending, Future):
                 pending.exception()
         self.in_flight.clear()
+
+    def quorum_metrics(self) -> dict[str, list[int] | int]:
+        """With a quorum seat, who took part in the round's sync: the workers in its quorum,
+        those that brought a Δ, and the quorums it took (1 when nobody failed)."""
+        if self.committed is None:
+            return {}
+        return {"quorum": self.committed.participants,
+                "contributors": self.committed.contributors,
+                "sync_attempts": self.committed.attempts}
 
     def save(self, directory: Path) -> None:
         """Nothing of its own to save: every sync has landed at a round's end."""

@@ -276,6 +276,7 @@ class Trainer:
             metrics = round_metrics(cfg, self.round, loss_sum, seconds, inner_seconds, stats,
                                     env.device)
             self.bytes_total += metrics["outer_bytes_received"]  # the busiest rank's
+            metrics.update(self.runner.quorum_metrics())  # with a seat: who took part
             saving = self.round % cfg.run.checkpoint_every == 0 or self.round == cfg.run.rounds
             metrics["state_sha256" if saving else "state_checksum"] = \
                 check_workers_agree(self.global_params, self.round, full=saving)
