@@ -35,9 +35,6 @@ from pathlib import Path
 # placing a group on this machine's nodes takes milliseconds). Read by Ray Train when it starts.
 os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "3")
 os.environ.setdefault("ISOLOCO_RAY_RESIZE_CHECK_SECONDS", "5")  # isoloco_ray.elastic
-# A cluster of this machine: Ray Train's controller may poll its workers often (train.py's
-# LOCAL_TRAIN_ENV; the run joins this cluster through RAY_ADDRESS, so it is set here).
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 def free_port() -> int:
@@ -90,6 +87,10 @@ def main() -> None:
         "num_cpus": 0, "include_dashboard": True, "dashboard_port": free_port()})
     nodes = [cluster.add_node(num_cpus=1) for _ in range(1 if changes[0] == "add" else 2)]
     cluster.wait_for_nodes()
+    # A cluster of this machine: Ray Train's controller may poll its workers often. The run
+    # joins it through RAY_ADDRESS, where train.py keeps Ray's default, so it is set here.
+    for key, value in train.LOCAL_TRAIN_ENV.items():
+        os.environ.setdefault(key, value)
     os.environ["RAY_ADDRESS"] = cluster.address
     ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR",
              runtime_env={"worker_process_setup_hook": refresh_cluster_view_often})

@@ -66,7 +66,7 @@ class Worker:
                             loss_sum=float(len(good)) + self.rank / 8)
 
     def step(self, result: CommittedSync) -> None:
-        self.theta -= result.mean()
+        self.theta -= plain_mean(*result.payloads, good=len(result.good))
 
 
 def in_threads(*calls: Callable[[], Any], timeout: float = 60) -> list[Any]:
@@ -112,7 +112,8 @@ def test_the_mean_is_the_plain_sum_in_rank_order_and_a_worker_that_left_is_not_w
             assert (result.participants, result.contributors) == ([0, 1, 2], [0, 1, 2])
             assert result.good == [0, 1, 2, 4, 5] and result.attempts == 1
             assert result.loss_sum == sum(c.loss_sum for c in given)
-            assert torch.equal(result.mean(), expected)  # bit for bit, on every worker
+            # Every worker holds the payloads in rank order: the same mean, bit for bit.
+            assert torch.equal(plain_mean(*result.payloads, good=len(result.good)), expected)
         # Round 2: worker 1 has left; the others commit without it.
         workers[1].seat.shutdown()
         survivors = [workers[0], workers[2]]
@@ -122,7 +123,8 @@ def test_the_mean_is_the_plain_sum_in_rank_order_and_a_worker_that_left_is_not_w
         for result in results:
             assert (result.participants, result.contributors) == ([0, 2], [0, 2])
             assert result.good == [0, 1, 4, 5]
-            assert torch.equal(result.mean(), plain_mean(*(c.payload for c in given), good=4))
+            assert torch.equal(plain_mean(*result.payloads, good=len(result.good)),
+                               plain_mean(*(c.payload for c in given), good=4))
     finally:
         for worker in workers:
             worker.seat.shutdown()
@@ -148,7 +150,8 @@ def test_a_worker_dying_inside_the_sync_costs_one_quorum_and_a_replacement_heals
         for worker, result in zip(survivors, results):
             assert result.attempts == 2  # the first quorum held the dead worker
             assert (result.participants, result.contributors) == ([0, 2], [0, 2])
-            assert torch.equal(result.mean(), plain_mean(*held, good=4))  # Δ kept, not redone
+            assert torch.equal(plain_mean(*result.payloads, good=len(result.good)),
+                               plain_mean(*held, good=4))  # Δ kept, not redone
             worker.step(result)
         assert torch.equal(workers[0].theta, workers[2].theta)
 

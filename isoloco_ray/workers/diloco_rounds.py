@@ -77,14 +77,21 @@ class DiLoCoRounds:
         if self.committed is not None:  # every contributing worker's, from the quorum
             return self.committed.loss_sum, inner_seconds, stats
         counted = trainer.layout.position == 0
-        total = 0.0
+        total = sum((loss for replica, loss in self._mean_losses(losses).items()
+                     if replica not in stats.dropped and counted), 0.0)
+        return total, inner_seconds, stats
+
+    def _mean_losses(self, losses: dict[int, list[torch.Tensor]]) -> dict[int, float]:
+        """Each hosted replica's mean inner loss this round (over its G workers' rows: every
+        worker of the replica calls this)."""
+        trainer = self.trainer
+        means = {}
         for replica in trainer.replicas:
             loss = torch.stack(losses[replica.index]).mean().item()
             if trainer.layout.shard is not None:
                 loss = trainer.layout.shard.mean(loss, trainer.env.device)
-            if replica.index not in stats.dropped and counted:
-                total += loss
-        return total, inner_seconds, stats
+            means[replica.index] = loss
+        return means
 
     def _inner_steps(self, steps: int, losses: dict[int, list[torch.Tensor]], ends_round: bool,
                      data_error: str | None) -> tuple[float, str | None]:
@@ -127,10 +134,9 @@ class DiLoCoRounds:
         target = {name: trainer.global_params[name] for name in names}
         if trainer.env.seat is not None:
             started = time.perf_counter()
-            mean_losses = {r: torch.stack(values).mean().item()
-                           for r, values in losses.items()}
             stats, committed = trainer.outer.quorum_step(target, deltas, sync_round,
-                                                         trainer.env.seat, diverged, mean_losses)
+                                                         trainer.env.seat, diverged,
+                                                         self._mean_losses(losses))
             stats.wait_seconds = time.perf_counter() - started
             self.committed = committed
             self.in_flight[fragment] = stats

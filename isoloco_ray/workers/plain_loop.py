@@ -67,7 +67,6 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
     no streaming settings."""
     replicas = make_replicas(cfg, data_dir)
     hosted = cfg.scaling.replicas_per_worker
-    workers = len(replicas) // hosted
     theta = {n: p.detach().clone() for n, p in replicas[0][0].named_parameters()}
     resolved = OuterMerge.of(cfg.outer)
     optimizer = aggregators.OuterOptimizer(lr=cfg.outer.lr, momentum=cfg.outer.momentum,
@@ -97,15 +96,13 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
             optimizer.apply(theta, {name: optimizer.update(name, direction)
                                     for name, direction in directions.items()})
             done = (round_index + 1) * steps
-            for worker in range(workers):
-                for r in range(worker * hosted, worker * hosted + hosted):
-                    model, (adamw, schedule), stream = replicas[r]
-                    for n, p in model.named_parameters():
-                        p.copy_(theta[n])
-                    if worker not in present:  # rejoins: Replica.rejoin, written out
-                        adamw.state.clear()
-                        schedule_at(adamw, schedule, done)
-                        stream.seek(stream.position_after(done))
+            for r, (model, (adamw, schedule), stream) in enumerate(replicas):
+                for n, p in model.named_parameters():
+                    p.copy_(theta[n])
+                if r // hosted not in present:  # rejoins: Replica.rejoin, written out
+                    adamw.state.clear()
+                    schedule_at(adamw, schedule, done)
+                    stream.seek(stream.position_after(done))
     return theta
 
 

@@ -60,14 +60,6 @@ class CommittedSync:
     attempts: int  # quorums it took (1 when nobody failed)
     healed: bool = False  # this worker's state came from a peer in this sync
 
-    def mean(self) -> torch.Tensor:
-        """Σ of the payloads in rank order, over the number of good replicas: the mean Δ
-        (every participant computes the same bits)."""
-        total = self.payloads[0].clone()
-        for payload in self.payloads[1:]:
-            total += payload
-        return total / len(self.good)
-
 
 class QuorumSeat:
     """A worker's torchft Manager, used once per outer round (see the module's docstring).

@@ -197,8 +197,7 @@ class OuterSync:
         stats = OuterStepStats()
         device = next(iter(global_params.values())).device
         names = list(global_params)
-        good = sorted(r for r, delta in hosted.items() if r not in diverged
-                      and all(bool(torch.isfinite(t).all()) for t in delta.values()))
+        good = self._finite_hosted(hosted, diverged)
         contribution = None
         if good:
             with stopwatch(stats, "merge_seconds", device):
@@ -215,23 +214,33 @@ class OuterSync:
         if not committed.good:
             stats.skipped = True
             return stats, committed
+        sizes = [global_params[name].numel() for name in names]
+        # Each contributor is a source that sent one sum per tensor, in rank order: the sums
+        # route of `_updates` (its mean, merge and momentum), as `step` takes it.
+        contributions: Contributions = {name: [] for name in names}
+        for payload in committed.payloads:
+            for name, part in zip(names, payload.split(sizes)):
+                contributions[name].append([part.view_as(global_params[name])])
         with stopwatch(stats, "merge_seconds", device):
-            parts = committed.mean().split([global_params[name].numel() for name in names])
-            means = {name: part.view_as(global_params[name]) for name, part in zip(names, parts)}
-            updates = self._momentum_updates(self._merged_means(means))
+            updates = self._updates(contributions, committed.good, round_index)
             self.optimizer.apply(global_params, updates)
         return stats, committed
 
     # -- what each rank contributes ------------------------------------------------------------
 
+    @staticmethod
+    def _finite_hosted(hosted: Mapping[int, Mapping[str, torch.Tensor]],
+                       diverged: Collection[int]) -> list[int]:
+        """The hosted replicas, ascending, whose Δ_r and loss are finite."""
+        return sorted(replica for replica, delta in hosted.items() if replica not in diverged
+                      and all(bool(torch.isfinite(t).all()) for t in delta.values()))
+
     def _good_replicas(self, hosted: Mapping[int, Mapping[str, torch.Tensor]],
                        diverged: Collection[int]) -> list[int]:
         """Indices of all replicas, on any rank, whose Δ_r and loss are finite."""
         flags = [0.0] * self.replicas
-        for replica, delta in hosted.items():
-            finite = replica not in diverged and all(
-                bool(torch.isfinite(t).all()) for t in delta.values())
-            flags[replica] = 1.0 if finite else 0.0
+        for replica in self._finite_hosted(hosted, diverged):
+            flags[replica] = 1.0
         device = next(iter(next(iter(hosted.values())).values())).device
         summed = all_reduce_scalars(flags, device, self.group)
         return [r for r, flag in enumerate(summed) if flag > 0.5]
