@@ -138,12 +138,20 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    def counters(self) -> dict[str, Any]:
+        """The run's counters (checkpoint.COUNTERS): round, eval losses, seconds, bytes."""
+        return {name: getattr(self, name) for name in checkpoint.COUNTERS}
+
+    def set_counters(self, counters: dict[str, Any]) -> None:
+        """Take `counters` (a checkpoint's, or a peer's when healing)."""
+        for name, value in counters.items():
+            setattr(self, name, value)
+
     def save(self, directory: Path) -> None:
         """Write this rank's part of a checkpoint of the state after `self.round` rounds."""
         if self.env.rank == 0:
-            counters = {name: getattr(self, name) for name in checkpoint.COUNTERS}
             checkpoint.save_shared(directory, self.global_params, self.outer.state_dict(),
-                                   {**counters, "config": self.cfg.model_dump(mode="json")})
+                                   {**self.counters(), "config": self.cfg.model_dump(mode="json")})
             self.runner.save(directory)
         if not self.layout.saves_replicas:
             return  # the replica's first worker saves what all its workers hold alike
@@ -172,9 +180,7 @@ class Trainer:
                               for name in self.global_params}
         self.outer.load_state_dict(outer_state, {n: p.shape for n, p in params.items()},
                                    self.fragments)
-        for name, value in checkpoint.read_counters(state, directory / checkpoint.STATE_FILE
-                                                    ).items():
-            setattr(self, name, value)
+        self.set_counters(checkpoint.read_counters(state, directory / checkpoint.STATE_FILE))
         for replica in self.replicas:
             replica.load_state_dict(checkpoint.load_replica(directory, replica.index),
                                     self.global_params)
@@ -222,7 +228,7 @@ class Trainer:
         """What a peer that fell behind takes from this worker when torchft heals it: θ, the
         outer optimizer's state and the run's counters (replicas are not sent: `join`)."""
         return {"global": self.global_params, "outer": self.outer.state_dict(),
-                "counters": {name: getattr(self, name) for name in checkpoint.COUNTERS}}
+                "counters": self.counters()}
 
     def load_quorum_state(self, state: dict[str, Any]) -> None:
         """Take a peer's `quorum_state`, θ copied into this worker's own tensors."""
@@ -231,8 +237,7 @@ class Trainer:
                 tensor.copy_(state["global"][name])
         self.outer.load_state_dict(state["outer"], {n: t.shape for n, t in
                                                     self.global_params.items()}, self.fragments)
-        for name, value in state["counters"].items():
-            setattr(self, name, value)
+        self.set_counters(state["counters"])
 
     def join(self) -> None:
         """A worker's first sync, with no Δ: at a fresh start every worker's (nothing to apply);
