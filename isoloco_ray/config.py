@@ -145,6 +145,11 @@ class ScalingConfig(_Section):
         "this many workers, growing to R·G/V when the cluster has room; only worker counts "
         "that keep whole replicas on each worker are used (scaling.worker_counts). Unset: "
         "exactly R·G/V workers")
+    fault_tolerance: Literal["restart", "replica"] = Field(
+        "restart", description="what a lost worker costs. restart: Ray Train restarts every "
+        "worker from the latest checkpoint. replica: the others go on without it (each worker "
+        "is a torchft replica group; one quorum per outer round over the workers alive) and "
+        "Ray Train replaces it alone; needs torchft (pip install -e '.[ft]')")
 
     @model_validator(mode="after")
     def _check_layout(self) -> ScalingConfig:
@@ -175,7 +180,26 @@ class ScalingConfig(_Section):
             fix = f"lower it to one of {fewer} for an elastic run, or " if fewer else ""
             raise ValueError(f"scaling.min_workers ({self.min_workers}) is R/V, the only worker "
                              f"count it then allows, so it has no effect; {fix}remove it")
+        if self.fault_tolerance == "replica":
+            self._check_replica_groups()
         return self
+
+    def _check_replica_groups(self) -> None:
+        """The layouts `fault_tolerance: replica` can run (Ray 2.60's torchft integration)."""
+        if self.workers_per_replica > 1:
+            raise ValueError(
+                "scaling.fault_tolerance: replica needs scaling.workers_per_replica = 1: Ray "
+                "Train's replica groups are one worker each; set --scaling.fault_tolerance="
+                "restart or --scaling.workers_per_replica=1")
+        if self.min_workers is not None:
+            raise ValueError(
+                "scaling.fault_tolerance: replica cannot be combined with scaling.min_workers: "
+                "Ray Train does not resize a run with torchft; remove scaling.min_workers")
+        if self.num_workers < 2:
+            raise ValueError(
+                f"scaling.fault_tolerance: replica needs at least 2 workers (R/V = "
+                f"{self.num_workers}): a quorum of a majority of the workers goes on when one "
+                "is lost; lower scaling.replicas_per_worker or use restart")
 
     def allowed_workers(self) -> list[int]:
         """Every worker count W ≤ R/V on which the run's replicas lay out whole: the divisors
@@ -305,6 +329,11 @@ class OuterConfig(_Section):
                              "sync): turn it off")
         return self
 
+    def quorum_outer(self) -> OuterConfig:
+        """These settings as the quorum's outer step runs them (scaling.fault_tolerance:
+        replica): every worker merges what the quorum gathered, i.e. placement replicated."""
+        return self.model_copy(update={"placement": "replicated"})
+
 
 class WandbConfig(_Section):
     """Optional Weights & Biases logging (needs `pip install 'isoloco_ray[wandb]'`)."""
@@ -405,6 +434,7 @@ class TrainConfig(_Section):
             raise ValueError("outer.nesterov needs outer.momentum > 0; set --outer.momentum "
                              "or --outer.nesterov=false")
         self._check_outer_effective()
+        self._check_fault_tolerance()
         if self.outer.strategy == "tsv" and self.outer.keep_fraction is None:
             self.outer.keep_fraction = 1.0 / self.scaling.replicas
         if self.run.token_budget is not None:
@@ -471,6 +501,39 @@ class TrainConfig(_Section):
                 raise ValueError(f"{_have_no_effect(inert)} with outer.sparsity=0 (every "
                                  "entry is kept); set outer.sparsity > 0 or remove "
                                  f"{'it' if len(inert) == 1 else 'them'}")
+
+    def _check_fault_tolerance(self) -> None:
+        """What `scaling.fault_tolerance: replica` runs so far (issue 36, stage 1): the outer
+        sync of the mean-only strategies, whose quorum sums each worker's Δ sum."""
+        if self.scaling.fault_tolerance != "replica":
+            return
+        if self.run.max_failures == 0:
+            raise ValueError(
+                "scaling.fault_tolerance: replica replaces a lost worker as one Ray Train "
+                "failure: set run.max_failures >= 1 (or -1, unlimited)")
+        outer, unsupported = self.outer, []
+        if outer.placement == "rank0":
+            raise ValueError("outer.placement=rank0 has no effect with scaling.fault_tolerance: "
+                             "replica (every worker merges the quorum's sum: rank 0 may be "
+                             "gone); remove it")
+        if outer.strategy == "adamw_ddp":
+            unsupported.append("outer.strategy adamw_ddp (it all-reduces every inner step)")
+        else:
+            if not Route.choose(outer.quorum_outer(), OuterMerge.of(outer)).sums:
+                unsupported.append(f"outer.strategy {outer.strategy} with these outer settings "
+                                   "(it merges each replica's pseudo-gradient)")
+            if outer.comm_dtype != "float32" or outer.topk is not None:
+                unsupported.append("a compressed outer sync (outer.comm_dtype, outer.topk)")
+        if outer.streaming:
+            unsupported.append("outer.fragments, outer.delay or outer.mix")
+        if self.scaling.use_gpu:
+            unsupported.append("scaling.use_gpu")
+        if unsupported:
+            raise ValueError(
+                f"scaling.fault_tolerance: replica does not run {'; '.join(unsupported)} yet "
+                "(it runs diloco, diloco_sgd, isoc, isoloco and dare, whose outer step needs "
+                "only the sum of the pseudo-gradients, in float32, on CPUs: "
+                "docs/fault_tolerance.md); set --scaling.fault_tolerance=restart")
 
     def _check_streaming(self) -> None:
         outer, steps = self.outer, self.inner.steps

@@ -461,10 +461,17 @@ def _build_config(base: dict[str, Any], overrides: dict[str, Any], index: int,
                   warnings: list[str] | None) -> TrainConfig:
     """`base` with a trial's `overrides` as a TrainConfig; ConfigError naming the trial."""
     try:
-        return build_config(expand_env_paths(merge_nested(base, nest(overrides)), warnings))
+        cfg = build_config(expand_env_paths(merge_nested(base, nest(overrides)), warnings))
     except ConfigError as exc:
         raise ConfigError(f"trial {index} ({describe(overrides)}): " + str(exc).replace(
             "\n", f"\ntrial {index}: ")) from None
+    if cfg.scaling.fault_tolerance == "replica":
+        # Tune ranks and stops trials from every worker's ray.train.report, and a replica-mode
+        # run reports no round through Ray Train (a lost worker would hold every report).
+        raise ConfigError(f"trial {index} ({describe(overrides)}): scaling.fault_tolerance: "
+                          "replica does not run in a grid (Tune needs every worker's reports); "
+                          "run it alone with python -m isoloco_ray.train, or use restart")
+    return cfg
 
 
 def _placed(cfg: TrainConfig, name: str, runs_dir: Path) -> TrainConfig:

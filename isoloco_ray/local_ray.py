@@ -170,6 +170,23 @@ class _PatchingLoader:
         _patch_rendezvous(module)
 
 
+def loopback_store(hostname: str, port: int = 0, **options: Any) -> Any:
+    """A master torch TCPStore listening on `hostname` (a loopback IP) only: TCPStore itself
+    listens on every interface whatever host it is given, unless handed a bound socket."""
+    from torch.distributed import TCPStore
+
+    family = socket.AF_INET6 if ":" in hostname else socket.AF_INET
+    listener = socket.create_server((hostname, port), family=family, backlog=2048)
+    try:
+        store = TCPStore(host_name=hostname, port=listener.getsockname()[1], is_master=True,
+                         master_listen_fd=listener.fileno(), **options)
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the descriptor now
+    return store
+
+
 def _patch_rendezvous(module: Any) -> None:
     """Rank 0's TCPStore (env:// and tcp:// rendezvous) listens on a socket bound to the
     rendezvous host when that is a loopback IP, instead of on all interfaces."""
@@ -180,25 +197,16 @@ def _patch_rendezvous(module: Any) -> None:
     @functools.wraps(original)
     def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, timeout: Any,
                           use_libuv: bool = True) -> Any:
-        if rank != 0 or not _is_loopback(hostname) or module._torchelastic_use_agent_store():
+        if rank != 0 or not is_loopback(hostname) or module._torchelastic_use_agent_store():
             return original(hostname, port, rank, world_size, timeout, use_libuv)
-        family = socket.AF_INET6 if ":" in hostname else socket.AF_INET
-        listener = socket.create_server((hostname, port), family=family, backlog=2048)
-        try:
-            store = module.TCPStore(host_name=hostname, port=port, world_size=world_size,
-                                    is_master=True, timeout=timeout, multi_tenant=True,
-                                    use_libuv=use_libuv, master_listen_fd=listener.fileno())
-        except BaseException:
-            listener.close()
-            raise
-        listener.detach()  # the store's server owns the descriptor now
-        return store
+        return loopback_store(hostname, port, world_size=world_size, timeout=timeout,
+                              multi_tenant=True, use_libuv=use_libuv)
 
     create_c10d_store._loopback_listen = True  # type: ignore[attr-defined]
     module._create_c10d_store = create_c10d_store
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     try:
         address = ipaddress.ip_address(host.split("%")[0])
     except ValueError:
@@ -251,4 +259,4 @@ def non_loopback_listeners(pids: Iterable[int]) -> list[str]:
     """Every socket of `listening_sockets(pids)` bound to a non-loopback address (0.0.0.0, ::,
     a network address), as "tcp 0.0.0.0:1234 pid 42 (raylet)"; empty when all are loopback."""
     return [format_socket(entry) for entry in listening_sockets(pids)
-            if not _is_loopback(entry[3])]
+            if not is_loopback(entry[3])]

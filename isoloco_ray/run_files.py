@@ -10,4 +10,6 @@ SUMMARY = "summary.json"  # written last: its presence means the run finished
 MODEL_DIR = "model"  # the exported Hugging Face model (workers/export.py)
 ERROR = "error.txt"  # a failed grid trial: the traceback
 STOPPED = "stopped.json"  # a grid trial a scheduler stopped early
+FT_END = "ft_end.json"  # fault_tolerance replica: the run's result (workers/replica_mode.py)
+FT_CHECKPOINT = "ftcheckpoint_{round:06d}"  # ... and its checkpoints, one per checkpoint round
 LOCK = ".run.lock"  # held while a run of the directory is live (storage.hold_run)

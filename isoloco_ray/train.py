@@ -23,6 +23,7 @@ from isoloco_ray.config import (ConfigError, ScalingConfig, TrainConfig, config_
 from isoloco_ray.data.checks import epochs, validated_data_dir
 from isoloco_ray.data.format import DataError, DatasetMeta
 from isoloco_ray.elastic import allowed_counts_only, ray_scaling_config
+from isoloco_ray.fault_tolerance import check_torchft_available, timeouts, torchft_backend
 from isoloco_ray.local_ray import joined_cluster
 from isoloco_ray.storage import check_writable, hold_run
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
@@ -265,12 +266,16 @@ def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any
 
     from isoloco_ray.workers.loop import train_loop_per_worker
 
+    joined = joined_cluster()
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.model_dump(mode="json"), "data_dir": str(data_dir),
                            "run_dir": str(run_dir), "progress": progress,
+                           "loopback": not joined, "ft_timeouts": timeouts(),
                            # Test hook: see workers/loop.py kill_once_hook.
                            "kill_at": os.environ.get("ISOLOCO_RAY_KILL_AT")},
+        torch_config=(torchft_backend(cfg, joined)
+                      if cfg.scaling.fault_tolerance == "replica" else None),
         scaling_config=ray_scaling_config(cfg.scaling),
         run_config=ray.train.RunConfig(
             name=run_dir.name, storage_path=str(run_dir.parent), callbacks=list(callbacks),
@@ -301,6 +306,9 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
     repaired = repair_record(run_dir)
     if repaired is not None:
         print(repaired, file=sys.stderr, flush=True)
+    replica_mode = cfg.scaling.fault_tolerance == "replica"
+    if replica_mode:  # a result left by an earlier attempt of this run is not this one's
+        (run_dir / run_files.FT_END).unlink(missing_ok=True)
     stop = threading.Event()
     follower = threading.Thread(target=follow_progress, daemon=True,
                                 args=(progress, cfg.run.rounds, run_dir / run_files.METRICS, stop,
@@ -312,7 +320,17 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
     finally:
         stop.set()
         follower.join()
-    return result.return_value
+    if not replica_mode:
+        return result.return_value
+    from isoloco_ray.workers.replica_mode import read_end
+
+    # Left by the final round's writer (workers/replica_mode.py): rank 0 may have been lost.
+    final = read_end(run_dir)
+    if final is None:
+        return {"error": f"the workers ended without leaving the run's result "
+                         f"({run_files.FT_END}); run the same command again to resume from the "
+                         "latest checkpoint"}
+    return final
 
 
 def write_config(run_dir: Path, cfg: TrainConfig) -> None:
@@ -352,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args)
         data_dir = validated_data_dir(cfg)
         check_wandb_available(cfg)
+        check_torchft_available(cfg)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 
 import pytest
@@ -108,6 +109,37 @@ def test_token_budget_sets_rounds():
      "per-step gradient all-reduce and the background outer sync would drive two NCCL "
      "communicators from two threads at once, which NCCL does not order (a hang); set "
      "outer.delay=0 or scaling.workers_per_replica=1"),
+    # scaling.fault_tolerance: replica, within Ray's torchft limits and what runs over a quorum.
+    (["--scaling.fault_tolerance=replica", "--scaling.replicas_per_worker=1",
+      "--scaling.workers_per_replica=2"],
+     "scaling.fault_tolerance: replica needs scaling.workers_per_replica = 1: Ray Train's "
+     "replica groups are one worker each"),
+    (["--scaling.fault_tolerance=replica", "--scaling.replicas_per_worker=1",
+      "--scaling.min_workers=2"],
+     "scaling.fault_tolerance: replica cannot be combined with scaling.min_workers: Ray Train "
+     "does not resize a run with torchft; remove scaling.min_workers"),
+    (["--scaling.fault_tolerance=replica", "--scaling.replicas=2"],
+     "scaling.fault_tolerance: replica needs at least 2 workers (R/V = 1)"),
+    (["--scaling.fault_tolerance=replica", "--run.max_failures=0"],
+     "scaling.fault_tolerance: replica replaces a lost worker as one Ray Train failure: set "
+     "run.max_failures >= 1 (or -1, unlimited)"),
+    (["--scaling.fault_tolerance=replica", "--outer.strategy=tsv"],
+     "scaling.fault_tolerance: replica does not run outer.strategy tsv with these outer "
+     "settings (it merges each replica's pseudo-gradient) yet (it runs diloco, diloco_sgd, "
+     "isoc, isoloco and dare"),
+    (["--scaling.fault_tolerance=replica", "--outer.placement=rank0"],
+     "outer.placement=rank0 has no effect with scaling.fault_tolerance: replica (every worker "
+     "merges the quorum's sum: rank 0 may be gone); remove it"),
+    (["--scaling.fault_tolerance=replica", "--outer.placement=sharded",
+      "--outer.comm_dtype=int8"], "replica does not run outer.strategy diloco with these outer "
+     "settings (it merges each replica's pseudo-gradient); a compressed outer sync"),
+    (["--scaling.fault_tolerance=replica", "--inner.steps=4", "--outer.delay=1"],
+     "replica does not run outer.fragments, outer.delay or outer.mix yet"),
+    (["--scaling.fault_tolerance=replica", "--outer.strategy=adamw_ddp",
+      "--outer.placement=sharded"], "replica does not run outer.strategy adamw_ddp (it "
+     "all-reduces every inner step) yet"),
+    (["--scaling.fault_tolerance=replica", "--scaling.use_gpu=true"],
+     "replica does not run scaling.use_gpu yet"),
     # Non-finite settings would train a NaN model.
     (["--inner.lr=inf"], "inner.lr: must be a finite number (got 'inf')"),
     (["--outer.lr=inf"], "outer.lr: must be a finite number (got 'inf')"),
@@ -142,7 +174,13 @@ def test_settings_with_an_effect_are_accepted_and_resolved_configs_round_trip():
                  ["--outer.comm_dtype=bfloat16", "--outer.placement=replicated",
                   "--outer.error_feedback=true"],
                  ["--scaling.replicas=4", "--scaling.replicas_per_worker=1",
-                  "--scaling.min_workers=2"]):
+                  "--scaling.min_workers=2"],
+                 ["--scaling.fault_tolerance=replica"],
+                 ["--scaling.fault_tolerance=replica", "--outer.strategy=isoloco"],
+                 ["--scaling.fault_tolerance=replica", "--outer.strategy=isoc",
+                  "--outer.placement=replicated"],
+                 ["--scaling.fault_tolerance=replica", "--outer.strategy=dare",
+                  "--outer.placement=sharded"]):
         cfg = load_config(args)
         assert TrainConfig.model_validate(cfg.model_dump()) == cfg
 
@@ -268,6 +306,19 @@ def test_a_relative_storage_path_inside_a_ray_job_is_refused(small_dataset, tmp_
     assert message in capsys.readouterr().err
     assert check_writable(tmp_path / "runs") == tmp_path / "runs"
     assert not (job_dir / "runs").exists()
+
+
+def test_replica_mode_without_torchft_names_the_extra_before_ray(small_dataset, capsys, no_ray,
+                                                                  monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr("importlib.util.find_spec",
+                        lambda name, *a: None if name == "torchft" else find_spec(name, *a))
+    assert train.main([f"--data.path={small_dataset}", "--data.seq_len=64",
+                       "--scaling.fault_tolerance=replica"]) == 2
+    assert capsys.readouterr().err == (
+        "error: scaling.fault_tolerance: replica needs torchft, which is not installed: pip "
+        "install 'isoloco_ray[ft]' (pip install -e '.[ft]' in a checkout), or use "
+        "scaling.fault_tolerance=restart\n")
 
 
 def test_missing_data_path_is_a_config_error(capsys, tmp_path, no_ray):

@@ -93,7 +93,7 @@ def test_local_cluster_listens_on_loopback_only(ray_cluster, tmp_path):
     names = {entry[1] for entry in watch.seen.values()}
     assert {"gcs_server", "raylet"} <= names, listing  # the check sees Ray's servers at all
     outside = [local_ray.format_socket(entry) for entry in watch.seen.values()
-               if not local_ray._is_loopback(entry[3])]
+               if not local_ray.is_loopback(entry[3])]
     assert not outside, "listening outside loopback:\n" + "\n".join(sorted(outside))
     for rank in ranks:
         assert not rank["non_loopback"], rank  # gloo pairs and rank 0's TCPStore
@@ -130,8 +130,8 @@ def test_non_loopback_listeners_sees_wildcard_and_network_sockets():
         assert f"tcp 0.0.0.0:{wildcard.getsockname()[1]} pid {os.getpid()}" in "\n".join(found)
         assert f"udp 0.0.0.0:{udp.getsockname()[1]} pid {os.getpid()}" in "\n".join(found)
         assert str(loopback.getsockname()[1]) not in "\n".join(found)
-    assert local_ray._is_loopback("::ffff:127.0.0.1") and local_ray._is_loopback("::1")
-    assert not local_ray._is_loopback("::") and not local_ray._is_loopback("192.0.2.2")
+    assert local_ray.is_loopback("::ffff:127.0.0.1") and local_ray.is_loopback("::1")
+    assert not local_ray.is_loopback("::") and not local_ray.is_loopback("192.0.2.2")
 
 
 def test_worker_setup_binds_the_rendezvous_store_to_loopback(tmp_path):

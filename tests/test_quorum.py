@@ -283,24 +283,14 @@ def trainer_config(rounds: int):
 
 def seated_trainer(cfg, data_dir, rank: int, lighthouse: str, report=None, after_replica=None):
     """Worker `rank`'s Trainer (no process group) with a quorum seat that heals through it."""
-    from isoloco_ray.data.format import DatasetMeta
     from isoloco_ray.data.stream import read_with_pyarrow
-    from isoloco_ray.workers.loop import Trainer, WorkerEnv
-    from isoloco_ray.workers.model import build_model
+    from isoloco_ray.workers.loop import WorkerEnv
+    from isoloco_ray.workers.replica_mode import seated_trainer as seated
 
-    vocab = DatasetMeta.load(data_dir).vocab_size
-    numel = sum(p.numel() for p in build_model(cfg.model, vocab, cfg.run.seed).parameters())
-    holder: dict[str, Trainer] = {}
-    seat = QuorumSeat(rank, REPLICAS, numel, lighthouse,
-                      lambda: holder["trainer"].quorum_state(),
-                      lambda state: holder["trainer"].load_quorum_state(state),
-                      min_workers=2, timeout=timedelta(seconds=30),
-                      quorum_timeout=timedelta(seconds=60))
     env = WorkerEnv(rank=rank, world=3, device=torch.device("cpu"), read_rows=read_with_pyarrow,
-                    report=report or (lambda metrics, _: None), seat=seat,
-                    after_replica=after_replica)
-    holder["trainer"] = Trainer(cfg, data_dir, env)
-    return holder["trainer"]
+                    report=report or (lambda metrics, _: None), after_replica=after_replica)
+    return seated(cfg, data_dir, env, lighthouse, timeout=timedelta(seconds=30),
+                  quorum_timeout=timedelta(seconds=60))
 
 
 def test_trainers_syncing_over_a_quorum_train_as_the_plain_loop_over_quorums(lighthouse,
@@ -389,3 +379,24 @@ def test_a_lost_trainer_is_replaced_and_the_run_goes_on_as_the_plain_loop_over_i
         for name, value in expected.items():
             assert torch.equal(trainer.global_params[name], value), (trainer.env.rank, name)
     assert summary_0["rounds"] == summary_1["rounds"] == summary_2["rounds"] == cfg.run.rounds
+
+
+def test_a_seat_listens_outside_loopback_only_where_torchft_gives_no_choice(lighthouse,
+                                                                           monkeypatch):
+    """Two seats that have synced (their store, process group and Manager all up): the one
+    listener outside loopback per seat is torchft 0.2.0's manager server, which binds
+    [::]:<port> with no option for the address (docs/fault_tolerance.md, "Sockets")."""
+    from isoloco_ray import local_ray
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # as local_ray sets it for Ray's workers
+    workers = [Worker(rank, lighthouse) for rank in range(2)]
+    try:
+        in_threads(*[lambda w=w: w.seat.sync(w.contribution(1)) for w in workers])
+        outside = sorted(local_ray.non_loopback_listeners([os.getpid()]))
+        servers = sorted(int(w.seat.manager._manager.address().rsplit(":", 1)[1])
+                         for w in workers)
+        assert [entry.split()[:2] for entry in outside] == [["tcp", f"[::]:{port}"]
+                                                            for port in servers], outside
+    finally:
+        for worker in workers:
+            worker.seat.shutdown()

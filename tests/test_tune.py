@@ -68,6 +68,11 @@ def test_dry_run_crosses_trials_with_the_grid(tmp_path, small_dataset, capsys, n
     ({"grid": {"run.storage_path": ["/tmp/a", "/tmp/b"]}}, [],
      "grid.yaml: grid: run.storage_path is set by the grid (every trial runs in <grid>/runs); "
      "set it in base: or with --run.storage_path"),
+    ({"grid": {"scaling.fault_tolerance": ["restart", "replica"]}},
+     ["--scaling.replicas_per_worker=1"],
+     "trial 1 (scaling.fault_tolerance=replica): scaling.fault_tolerance: replica does not run "
+     "in a grid (Tune needs every worker's reports); run it alone with python -m "
+     "isoloco_ray.train, or use restart"),
     ({"trials": [{"run.num_cpus": 4}, {"run.num_cpus": 8}]}, [],
      "trial 1 (run.num_cpus=8): run.num_cpus must be the same for every trial of a grid; set "
      "it in base:"),

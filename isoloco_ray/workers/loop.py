@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,10 @@ from isoloco_ray.workers.round_metrics import Metrics, round_metrics
 
 # A final eval loss within this many nats of ln V is no better than a uniform prediction.
 UNIFORM_MARGIN = 1e-3
+# With a quorum seat: how long the workers at a (re)start wait for each other before the
+# first round goes on with those there (the others join later), and how often they look.
+JOIN_WAIT_S = 60.0
+JOIN_POLL_S = 0.2
 
 
 @dataclass
@@ -111,8 +115,8 @@ class Trainer:
                     keeps_params=cfg.outer.streaming)
             for r in self.layout.hosted
         ]
-        self.outer = OuterSync(cfg.outer, cfg.scaling.replicas, cfg.run.seed,
-                               self.layout.sync_group)
+        self.outer = OuterSync(cfg.outer if env.seat is None else cfg.outer.quorum_outer(),
+                               cfg.scaling.replicas, cfg.run.seed, self.layout.sync_group)
         self.fragments = split_fragments({n: p.shape for n, p in self.global_params.items()},
                                          cfg.outer.fragments)
         self.runner = (DataParallelRounds(self) if cfg.outer.strategy == "adamw_ddp"
@@ -147,15 +151,27 @@ class Trainer:
         for name, value in counters.items():
             setattr(self, name, value)
 
+    def writes_run_files(self) -> bool:
+        """Whether this worker writes what every worker holds alike (a checkpoint's shared
+        files, the model, the run's progress): rank 0, or with a quorum seat the lowest rank
+        in the last sync's quorum (rank 0 may be gone)."""
+        if self.env.seat is None:
+            return self.env.rank == 0
+        committed = self.runner.committed
+        return committed is not None and committed.participants[0] == self.env.rank
+
     def save(self, directory: Path) -> None:
         """Write this rank's part of a checkpoint of the state after `self.round` rounds."""
-        if self.env.rank == 0:
+        writer = self.writes_run_files()
+        if writer:
             checkpoint.save_shared(directory, self.global_params, self.outer.state_dict(),
                                    {**self.counters(), "config": self.cfg.model_dump(mode="json")})
             self.runner.save(directory)
         if not self.layout.saves_replicas:
             return  # the replica's first worker saves what all its workers hold alike
-        if self.outer.rank == 0 or not self.outer.route.everyone_merges:
+        # With a seat every worker's outer rank is 0 (it syncs through the quorum instead).
+        if ((self.outer.rank == 0 and (self.env.seat is None or writer))
+                or not self.outer.route.everyone_merges):
             checkpoint.save_outer_momentum(directory, self.outer.rank,
                                            self.outer.state_dict()["buffers"])
         for replica in self.replicas:
@@ -210,7 +226,8 @@ class Trainer:
             if self.initial_eval_loss is None:
                 self.initial_eval_loss = self.last_eval_loss = self.evaluate()
                 env.report({"round": 0, "tokens": 0, "eval_loss": self.initial_eval_loss,
-                            "eval_perplexity": perplexity(self.initial_eval_loss)}, None)
+                            "eval_perplexity": perplexity(self.initial_eval_loss),
+                            **self.runner.quorum_metrics()}, None)
             self._train_rounds()
         except TrainingStopped as stop:
             # Returned, not raised: a retry from the last checkpoint would only repeat it.
@@ -240,20 +257,28 @@ class Trainer:
         self.set_counters(state["counters"])
 
     def join(self) -> None:
-        """A worker's first sync, with no Δ: at a fresh start every worker's (nothing to apply);
-        for a worker that replaces a lost one, the survivors' next sync, where it is healed
-        (`load_quorum_state`, their state before that sync) and applies the committed update
-        with them; its replicas then go on from θ as if they had taken the rounds so far
-        (Replica.rejoin)."""
-        assert self.env.seat is not None
-        _, committed = self.outer.quorum_step(self.global_params, {}, self.round,
-                                              self.env.seat)
-        if not committed.healed:
-            return
-        if committed.good:  # the survivors' round, completed here too
+        """A worker's first sync, with no Δ. At a (re)start every worker's: repeated, for up to
+        JOIN_WAIT_S, until every worker is in it, so that all take the first round (the
+        joiners' syncs apply nothing). For a worker that replaces a lost one (or starts late),
+        the others' next sync, where it is healed if it is behind (`load_quorum_state`, their
+        state before that sync) and applies the committed update with them; its replicas then
+        go on from θ as if they had taken the rounds so far (Replica.rejoin)."""
+        assert self.env.seat is not None and isinstance(self.runner, DiLoCoRounds)
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while True:
+            _, committed = self.outer.quorum_step(self.global_params, {}, self.round,
+                                                  self.env.seat,
+                                                  waiting=time.monotonic() < deadline)
+            if (committed.contributors or committed.healed or not committed.all_waiting
+                    or len(committed.participants) == self.env.world):
+                break
+            time.sleep(JOIN_POLL_S)
+        self.runner.committed = committed
+        if committed.good:  # the others' round, completed here too
             self.round += 1
-        for replica in self.replicas:
-            replica.rejoin(self.round * self.cfg.inner.steps, self.global_params)
+        if committed.good or committed.healed:
+            for replica in self.replicas:
+                replica.rejoin(self.round * self.cfg.inner.steps, self.global_params)
 
     def _train_rounds(self) -> None:
         cfg, env = self.cfg, self.env
@@ -292,7 +317,9 @@ class Trainer:
             if saving:
                 with tempfile.TemporaryDirectory() as directory:
                     self.save(Path(directory))
-                    stop_unless_checkpoint_fits(Path(directory), self.round, env.rank,
+                    # With a seat each worker checks its own files (no world collective).
+                    stop_unless_checkpoint_fits(Path(directory), self.round,
+                                                0 if env.seat is not None else env.rank,
                                                 env.device, env.checkpoint_room)
                     env.report(metrics, Path(directory))
             else:
@@ -368,7 +395,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     newest intact checkpoint if there is one, runs the trainer, and exports the model (rank 0).
 
     Returns {"error": ..., "rounds": 0} on every rank, naming the bad files, when the run has
-    checkpoints but none can be resumed from."""
+    checkpoints but none can be resumed from. With scaling.fault_tolerance: replica the run
+    goes through replica_mode.py instead, and returns nothing."""
     import ray
     import ray.train
     import ray.train.torch
@@ -392,18 +420,24 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
             checkpoint_dir)
         ray.train.report(metrics, checkpoint=saved)
 
+    env = WorkerEnv(
+        rank=rank,
+        world=context.get_world_size(),
+        device=ray.train.torch.get_device(),
+        read_rows=read_with_ray_data,
+        report=report,
+        checkpoint_room=lambda needed: storage.checkpoint_room(run_dir, needed),
+        after_replica=kill_once_hook(loop_config.get("kill_at")),
+    )
+    if cfg.scaling.fault_tolerance == "replica":
+        from isoloco_ray.workers.replica_mode import train_replica_worker
+
+        train_replica_worker(cfg, data_dir, run_dir, env, progress, loop_config["loopback"],
+                             loop_config["ft_timeouts"])
+        return None
+
     def build(restore_from: Path | None) -> Trainer:
-        env = WorkerEnv(
-            rank=rank,
-            world=context.get_world_size(),
-            device=ray.train.torch.get_device(),
-            read_rows=read_with_ray_data,
-            report=report,
-            restore_from=restore_from,
-            checkpoint_room=lambda needed: storage.checkpoint_room(run_dir, needed),
-            after_replica=kill_once_hook(loop_config.get("kill_at")),
-        )
-        return Trainer(cfg, data_dir, env)
+        return Trainer(cfg, data_dir, replace(env, restore_from=restore_from))
 
     # Ray Train's latest checkpoint, or the newest intact one before it if that is damaged
     # (resume.py). A damaged checkpoint is returned as the run's error, not raised: Ray Train

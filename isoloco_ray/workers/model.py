@@ -41,6 +41,12 @@ def count_parameters(net: torch.nn.Module) -> int:
     return sum(p.numel() for p in net.parameters() if p.requires_grad)
 
 
+def parameters_of(model: ModelConfig, vocab_size: int) -> int:
+    """count_parameters of the model `build_model` makes, without allocating it."""
+    with torch.device("meta"):
+        return count_parameters(LlamaForCausalLM(llama_config(model, vocab_size)))
+
+
 @dataclass(frozen=True)
 class Runtime:
     """How a worker runs its model: where, in which precision, through which forward."""

@@ -17,7 +17,9 @@ joined). The seat
    payloads in rank order instead);
 4. commits only if every participant got everything (`Manager.should_commit`). A failure in
    steps 1-3 (a peer died) makes every survivor's `should_commit` False: the seat starts a new
-   quorum with the survivors and the same contribution, so no inner step is redone.
+   quorum with the survivors and the same contribution, so no inner step is redone. A sync
+   nobody brought a Δ to (workers joining at a start) changes nothing and is not committed:
+   torchft's step, by which it tells who is behind, counts the rounds applied.
 
 Bounded everywhere: a collective waits at most `timeout`, a quorum at most `quorum_timeout`,
 a sync at most `max_attempts` quorums; torchft raises past those.
@@ -32,7 +34,10 @@ from typing import Any
 
 import torch
 
-HEADER_FIELDS = 3  # rank, brings a Δ (0/1), loss sum; then one 0/1 per replica of the run
+from isoloco_ray.local_ray import is_loopback, loopback_store
+
+# rank, brings a Δ (0/1), loss sum, waits for the others (0/1); then one 0/1 per replica
+HEADER_FIELDS = 4
 
 
 class QuorumError(RuntimeError):
@@ -59,6 +64,7 @@ class CommittedSync:
     loss_sum: float  # Σ over the contributors' loss sums
     attempts: int  # quorums it took (1 when nobody failed)
     healed: bool = False  # this worker's state came from a peer in this sync
+    all_waiting: bool = False  # every participant asked to wait for the workers missing
 
 
 class QuorumSeat:
@@ -87,8 +93,10 @@ class QuorumSeat:
             self._healed = True
             load_state_dict(state)
 
-        # The replica group's own rendezvous store (one worker per group), on `host` only.
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        # The replica group's own rendezvous store (one worker per group), on `host` only
+        # when that is loopback (TCPStore would listen on every interface).
+        self._store = (loopback_store(host, wait_for_workers=False) if is_loopback(host)
+                       else TCPStore(host, 0, is_master=True, wait_for_workers=False))
         self._pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=self._pg, load_state_dict=load, state_dict=state_dict,
@@ -103,9 +111,11 @@ class QuorumSeat:
             checkpoint_transport=PGTransport(self._pg, timeout=timeout,
                                              device=torch.device("cpu")))
 
-    def sync(self, contribution: Contribution | None) -> CommittedSync:
-        """Run quorums until one commits this round's sync (see the module's docstring).
-        Raises QuorumError after `max_attempts` quorums that could not commit, and torchft's
+    def sync(self, contribution: Contribution | None, waiting: bool = False) -> CommittedSync:
+        """Run quorums until one commits this round's sync (see the module's docstring);
+        `waiting`: this worker, joining, would rather sync again once the workers missing
+        are there (CommittedSync.all_waiting says whether every participant would). Raises
+        QuorumError after `max_attempts` quorums that could not commit, and torchft's
         TimeoutError when no quorum forms within `quorum_timeout`."""
         healed = False
         for attempt in range(1, self.max_attempts + 1):
@@ -113,7 +123,10 @@ class QuorumSeat:
             self.manager.start_quorum()
             if self._healed:  # behind the others: its Δ was computed from another θ
                 healed, contribution = True, None
-            result = self._exchange(contribution)
+            result = self._exchange(contribution, waiting)
+            if result is not None and not result.contributors:
+                result.attempts, result.healed = attempt, healed
+                return result  # nothing to apply: not a step of torchft's
             if self.manager.should_commit():
                 assert result is not None  # a committed exchange completed
                 result.attempts, result.healed = attempt, healed
@@ -121,7 +134,8 @@ class QuorumSeat:
         raise QuorumError(f"worker {self.rank}: the outer sync was not committed in "
                           f"{self.max_attempts} quorums (workers kept failing during it)")
 
-    def _exchange(self, contribution: Contribution | None) -> CommittedSync | None:
+    def _exchange(self, contribution: Contribution | None,
+                  waiting: bool) -> CommittedSync | None:
         """Headers, then payloads, through the quorum's process group; None when a collective
         failed (the Manager has recorded the error: should_commit is then False)."""
         from torchft.process_group import ReduceOp
@@ -130,6 +144,7 @@ class QuorumSeat:
         assert slot is not None  # use_async_quorum=False: every member participates
         header = torch.zeros(size, HEADER_FIELDS + self.replicas, dtype=torch.float64)
         header[slot, 0] = self.rank
+        header[slot, 3] = float(waiting)
         if contribution is not None:
             header[slot, 1] = 1.0
             header[slot, 2] = contribution.loss_sum
@@ -154,7 +169,7 @@ class QuorumSeat:
             good=[] if good_flags is None else [r for r in range(self.replicas)
                                                  if good_flags[r] > 0.5],
             loss_sum=float(sum(header[i, 2] for i in contributors)),
-            attempts=0)
+            attempts=0, all_waiting=bool((header[:, 3] > 0.5).all()))
 
     def _all_gather(self, payload: torch.Tensor, size: int) -> list[torch.Tensor] | None:
         """Every participant's payload, by slot; None when the collective failed."""

@@ -176,13 +176,14 @@ class OuterSync:
     def quorum_step(self, global_params: dict[str, torch.Tensor],
                     hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
                     seat: QuorumSeat, diverged: Collection[int] = (),
-                    losses: Mapping[int, float] | None = None
+                    losses: Mapping[int, float] | None = None, waiting: bool = False
                     ) -> tuple[OuterStepStats, CommittedSync]:
         """The outer step over the workers alive this round (scaling.fault_tolerance:
         replica): this worker's sum of its good hosted Δ_r goes to the round's quorum
         (quorum.py), and the committed mean, Σ over the contributors in rank order / the good
         replicas, is merged and applied as `step` does; `losses` (each hosted replica's mean
-        inner loss) are summed over the good ones into the quorum's loss sum. `global_params`
+        inner loss) are summed over the good ones into the quorum's loss sum; `waiting`: see
+        QuorumSeat.sync. `global_params`
         and the outer state may be replaced by a peer's inside the sync (this worker was
         behind: it brings no Δ). Only the route that sums and merges everywhere (mean-only
         strategies, a lossless wire, outer.placement replicated or, for elementwise merges,
@@ -206,7 +207,7 @@ class OuterSync:
             contribution = Contribution(flat, good, sum((losses or {}).get(r, 0.0)
                                                         for r in good))
         with stopwatch(stats, "comm_seconds", device):
-            committed = seat.sync(contribution)
+            committed = seat.sync(contribution, waiting)
         stats.dropped = [r for r in range(self.replicas) if r not in committed.good]
         # The other participants' float32 payloads (the all-gather; headers are a few bytes).
         stats.bytes_received = (len(committed.participants) - 1) * 4 * sum(

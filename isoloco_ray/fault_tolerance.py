@@ -1,0 +1,61 @@
+"""The driver's side of `scaling.fault_tolerance: replica` (docs/fault_tolerance.md): the
+check that torchft is installed, and Ray Train's torchft backend for the run.
+
+In this mode each Ray Train worker is one torchft replica group; a torchft lighthouse (a Ray
+actor that Ray Train starts on the driver's node) forms one quorum per outer round from the
+workers alive, and Ray Train replaces a lost worker alone while the others go on
+(workers/quorum.py is the workers' side).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+from isoloco_ray.config import ConfigError, TrainConfig
+
+INSTALL_HINT = "pip install 'isoloco_ray[ft]' (pip install -e '.[ft]' in a checkout)"
+
+# How long the lighthouse waits, once a worker asks for a round's quorum, for the live workers
+# that have not asked yet (still in their inner steps): a straggler later than this misses the
+# round (its replicas rejoin at the next). A lost worker is not waited for this long: it stops
+# heartbeating, and one silent for HEARTBEAT_TIMEOUT_MS is out (torchft's default).
+JOIN_TIMEOUT_MS = 30_000
+HEARTBEAT_TIMEOUT_MS = 5000
+
+
+def timeouts() -> dict[str, float]:
+    """The workers' bounds, in seconds (docs/fault_tolerance.md), read on the driver: a
+    collective of the quorum fails after `collective`, a worker waits `quorum` for a quorum
+    (longer than a round: a replacement waits for the others' next sync)."""
+    return {"collective": float(os.environ.get("ISOLOCO_RAY_FT_TIMEOUT_S", "30")),
+            "quorum": float(os.environ.get("ISOLOCO_RAY_FT_QUORUM_TIMEOUT_S", "600"))}
+
+
+def check_torchft_available(cfg: TrainConfig) -> None:
+    """ConfigError when `replica` is asked for and torchft is missing (before Ray starts)."""
+    if (cfg.scaling.fault_tolerance == "replica"
+            and importlib.util.find_spec("torchft") is None):
+        raise ConfigError("scaling.fault_tolerance: replica needs torchft, which is not "
+                          f"installed: {INSTALL_HINT}, or use scaling.fault_tolerance=restart")
+
+
+def min_quorum(workers: int) -> int:
+    """The fewest workers a round's quorum may have: a majority, so that two halves of a split
+    cluster can never both go on (and a straggler never commits a round alone)."""
+    return workers // 2 + 1
+
+
+def torchft_backend(cfg: TrainConfig, joined: bool) -> Any:
+    """Ray Train's torchft backend (TorchTrainer's torch_config) for a `replica` run. The
+    lighthouse listens on loopback on a local cluster; on a joined one the workers on other
+    nodes must reach it (docs/fault_tolerance.md: ports)."""
+    from ray.train.v2.torch.torchft_config import TorchftConfig
+
+    return TorchftConfig(
+        lighthouse_kwargs={"bind": "[::]:0" if joined else "127.0.0.1:0",
+                           "min_replicas": min_quorum(cfg.scaling.num_workers),
+                           "join_timeout_ms": JOIN_TIMEOUT_MS,
+                           "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS},
+        backend="gloo")

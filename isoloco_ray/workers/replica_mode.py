@@ -1,0 +1,183 @@
+"""A Ray Train worker of a `scaling.fault_tolerance: replica` run (docs/fault_tolerance.md).
+
+Each worker is one torchft replica group with a quorum seat (quorum.py): its outer syncs run
+over the workers alive, and Ray Train replaces a lost worker alone. Nothing here goes through
+Ray Train's reports, each of which waits for every worker (a lost one would hold them all until
+Ray Train restarts the whole group, which this mode exists to avoid). Instead:
+
+- progress: each round's writer (the lowest worker rank in its quorum) puts the round's metrics
+  on the driver's queue;
+- checkpoints: every worker of a checkpoint round's quorum writes its replicas' files, and the
+  writer the shared ones, into the run directory's `ftcheckpoint_<round>/`; a resumed run
+  starts from the newest intact one (resume.open_resume_point). One taken in a round a worker
+  missed lacks that worker's replicas and is skipped as incomplete;
+- the end: the final round's writer exports the model and writes `ft_end.json`, the run's
+  result, which the driver reads; a worker that has to stop writes why there instead.
+
+A worker replacing a lost one starts from the newest checkpoint like any other, then is healed
+by its peers in its first sync (θ, outer optimizer, counters) and its replicas go on from
+there (Trainer.join). If the run ends before it gets a quorum, it waits at most
+its quorum timeout, then returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import sys
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from isoloco_ray import run_files, storage, strict_json
+from isoloco_ray.config import TrainConfig
+from isoloco_ray.data.format import DatasetMeta
+from isoloco_ray.fault_tolerance import min_quorum
+from isoloco_ray.workers import checkpoint, resume
+from isoloco_ray.workers.export import ExportError, export_model
+from isoloco_ray.workers.loop import Trainer, WorkerEnv
+from isoloco_ray.workers.model import parameters_of
+from isoloco_ray.workers.quorum import QuorumSeat
+from isoloco_ray.workers.round_metrics import Metrics
+
+def seated_trainer(cfg: TrainConfig, data_dir: Path, env: WorkerEnv, lighthouse: str,
+                   host: str = "127.0.0.1", timeout: timedelta = timedelta(seconds=30),
+                   quorum_timeout: timedelta = timedelta(seconds=600)) -> Trainer:
+    """Worker `env.rank`'s Trainer with a quorum seat (env.seat is replaced) through which a
+    peer that fell behind is healed: the seat's state callbacks are this Trainer's."""
+    holder: dict[str, Trainer] = {}
+    numel = parameters_of(cfg.model, DatasetMeta.load(data_dir).vocab_size)
+    seat = QuorumSeat(env.rank, cfg.scaling.replicas, numel, lighthouse,
+                      lambda: holder["trainer"].quorum_state(),
+                      lambda state: holder["trainer"].load_quorum_state(state),
+                      min_workers=min_quorum(cfg.scaling.num_workers), host=host,
+                      timeout=timeout, quorum_timeout=quorum_timeout)
+    try:
+        holder["trainer"] = Trainer(cfg, data_dir, replace(env, seat=seat))
+    except BaseException:
+        seat.shutdown()
+        raise
+    return holder["trainer"]
+
+
+def lighthouse_address(loopback: bool) -> str:
+    """The lighthouse Ray Train started (its address is in TORCHFT_LIGHTHOUSE). torchft names
+    it by the head's host name, whatever it listens on; on a local cluster, where it listens on
+    loopback, it is reached there."""
+    address = os.environ["TORCHFT_LIGHTHOUSE"]
+    if not loopback:
+        return address
+    parts = urlsplit(address)
+    return f"{parts.scheme}://127.0.0.1:{parts.port}"
+
+
+def stored_checkpoints(run_dir: Any) -> list[Any]:
+    """The run's checkpoints (ray.train.Checkpoint), newest first."""
+    import pyarrow.fs
+    import ray.train
+
+    filesystem, path = storage.arrow_location(run_dir)
+    prefix = run_files.FT_CHECKPOINT.split("{", 1)[0]
+    try:
+        entries = filesystem.get_file_info(pyarrow.fs.FileSelector(path))
+    except FileNotFoundError:
+        return []
+    names = sorted((entry.base_name for entry in entries
+                    if entry.type == pyarrow.fs.FileType.Directory
+                    and entry.base_name.startswith(prefix)), reverse=True)
+    return [ray.train.Checkpoint(posixpath.join(path, name), filesystem=filesystem)
+            for name in names]
+
+
+class QuorumReports:
+    """WorkerEnv.report of a seated worker: progress and checkpoints (the module's docstring)."""
+
+    def __init__(self, rank: int, run_dir: Any, progress: Any, keep: int) -> None:
+        self.rank, self.run_dir, self.progress = rank, run_dir, progress
+        self.keep = keep + 1  # the newest may lack a lost worker's replicas
+
+    def __call__(self, metrics: Metrics, directory: Path | None) -> None:
+        writer = metrics.get("quorum", [self.rank])[0] == self.rank
+        if writer and self.progress is not None:
+            self.progress.put(metrics)
+        if directory is None:
+            return
+        storage.upload_directory(directory, self.run_dir / run_files.FT_CHECKPOINT.format(
+            round=metrics["round"]))
+        if writer:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Delete all but the newest `keep` checkpoints."""
+        filesystem, _ = storage.arrow_location(self.run_dir)
+        for old in stored_checkpoints(self.run_dir)[self.keep:]:
+            filesystem.delete_dir(old.path)
+
+
+def read_end(run_dir: Any) -> dict[str, Any] | None:
+    """The run's result as its workers left it (`ft_end.json`), or None."""
+    path = run_dir / run_files.FT_END
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def train_replica_worker(cfg: TrainConfig, data_dir: Path, run_dir: Any, env: WorkerEnv,
+                         progress: Any, loopback: bool, timeouts: dict[str, float]) -> None:
+    """Ray Train's entry point in `replica` mode, once the WorkerEnv is built: resume from
+    the newest intact checkpoint, train over the quorums, and leave the result in ft_end.json
+    (the final round's writer, after exporting the model). Returns nothing: the driver reads
+    the file."""
+    if read_end(run_dir) is not None:
+        return  # a replacement started after the run ended
+    import ray
+
+    env = replace(env, report=QuorumReports(env.rank, run_dir, progress,
+                                            cfg.run.keep_checkpoints))
+    host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+    with resume.open_resume_point(stored_checkpoints(run_dir)) as start:
+        if start.error is not None:
+            write_end(run_dir, {"error": start.error, "rounds": 0})
+            return
+        if start.warning is not None and env.rank == 0:
+            print(start.warning, file=sys.stderr, flush=True)
+        try:
+            trainer = seated_trainer(cfg, data_dir, replace(env, restore_from=start.directory),
+                                     lighthouse_address(loopback), host,
+                                     timedelta(seconds=timeouts["collective"]),
+                                     timedelta(seconds=timeouts["quorum"]))
+        except checkpoint.CheckpointError as exc:
+            write_end(run_dir, {"error": str(exc).replace(str(start.directory), start.name),
+                                "rounds": 0})
+            return
+    assert trainer.env.seat is not None
+    try:
+        summary = trainer.run()
+    except TimeoutError:
+        # No quorum formed: the others may have finished (a worker replaced during the last
+        # round), which leaves nothing to do; otherwise Ray Train replaces this worker too.
+        if read_end(run_dir) is not None:
+            return
+        raise
+    finally:
+        trainer.env.seat.shutdown()
+    if "error" in summary:
+        write_end(run_dir, summary)
+        return
+    if not trainer.writes_run_files():
+        return
+    summary.update(workers=cfg.scaling.num_workers, torch_threads=cfg.scaling.torch_threads)
+    if start.warning is not None:
+        summary["resume_warning"] = start.warning
+    try:
+        export_model(trainer.model, data_dir, run_dir / run_files.MODEL_DIR,
+                     summary.get("diverged"))
+    except ExportError as exc:  # a run without its model is not finished
+        summary["error"] = str(exc)
+    write_end(run_dir, summary)
+
+
+def write_end(run_dir: Any, result: Metrics) -> None:
+    """Leave the run's result (a summary, or {"error": ..., "rounds": ...}) for the driver."""
+    strict_json.write(run_dir / run_files.FT_END, result)
