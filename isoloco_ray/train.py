@@ -314,16 +314,21 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
                                 args=(progress, cfg.run.rounds, run_dir / run_files.METRICS, stop,
                                       on_metrics, cfg.outer.delay > 0))
     follower.start()
+    from isoloco_ray.workers.replica_mode import read_end
+
     try:
         with allowed_counts_only(cfg.scaling):
             result = build_trainer(cfg, data_dir, run_dir, progress, callbacks).fit()
+    except ray_train_failure():
+        # In replica mode a worker that outlived the run's result by long enough exits, and
+        # Ray Train may count that as its last failure: the run is over all the same.
+        if not replica_mode or read_end(run_dir) is None:
+            raise
     finally:
         stop.set()
         follower.join()
     if not replica_mode:
         return result.return_value
-    from isoloco_ray.workers.replica_mode import read_end
-
     # Left by the final round's writer (workers/replica_mode.py): rank 0 may have been lost.
     final = read_end(run_dir)
     if final is None:

@@ -4,12 +4,15 @@ run's (docs/fault_tolerance.md)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 
 from isoloco_ray import train
 from isoloco_ray.config import load_config
 from isoloco_ray.workers import checkpoint, plain_loop
+from isoloco_ray.workers.replica_mode import EndWatch
 
 pytest.importorskip("torchft")
 
@@ -44,3 +47,18 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
     assert summary["model_sha256"] == checkpoint.parameters_sha256(expected)
     assert checkpoint.checkpoint_problems(run_dir / "ftcheckpoint_000040") == []
     assert (run_dir / "model" / "model.safetensors").is_file()
+
+
+def test_a_worker_that_outlives_the_runs_result_is_made_to_exit(tmp_path):
+    """A worker that hangs alive would keep Ray Train from ending the run: once any worker has
+    written the result, one still running after the grace exits; one that ends in time is
+    left alone."""
+    exited = threading.Event()
+    with EndWatch(tmp_path, grace=0.2, poll=0.05, exit=exited.set):
+        assert not exited.wait(0.5)  # no result yet: training goes on
+        (tmp_path / "ft_end.json").write_text('{"status": "done"}')
+        assert exited.wait(10)
+    exited.clear()
+    with EndWatch(tmp_path, grace=10, poll=0.05, exit=exited.set):
+        time.sleep(0.2)  # the result is there; this worker ends within the grace
+    assert not exited.is_set()

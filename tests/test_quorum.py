@@ -26,7 +26,8 @@ from isoloco_ray import aggregators  # noqa: E402
 from isoloco_ray.config import load_config  # noqa: E402
 from isoloco_ray.strategies import OuterMerge  # noqa: E402
 from isoloco_ray.workers.outer.step import OuterSync  # noqa: E402
-from isoloco_ray.workers.quorum import CommittedSync, Contribution, QuorumSeat  # noqa: E402
+from isoloco_ray.workers.quorum import (CommittedSync, Contribution, QuorumSeat,  # noqa: E402
+                                        WorkersDiffer)
 
 REPLICAS, HOSTED, NUMEL = 6, 2, 7  # 3 workers hosting 2 replicas each
 
@@ -43,14 +44,14 @@ def lighthouse():
 class Worker:
     """A seat and the state a peer would heal it with (θ, and the committed rounds)."""
 
-    def __init__(self, rank: int, lighthouse: str) -> None:
+    def __init__(self, rank: int, lighthouse: str, fingerprint=None) -> None:
         self.rank = rank
         self.theta = torch.zeros(NUMEL)
         self.seat = QuorumSeat(rank, REPLICAS, NUMEL, lighthouse, self.state_dict,
                                self.load_state_dict, min_workers=2,
                                # A dead peer fails a collective within this (at once, mostly).
                                timeout=timedelta(seconds=5),
-                               quorum_timeout=timedelta(seconds=60))
+                               quorum_timeout=timedelta(seconds=60), fingerprint=fingerprint)
 
     def state_dict(self) -> dict[str, Any]:
         return {"theta": self.theta}
@@ -400,3 +401,29 @@ def test_a_seat_listens_outside_loopback_only_where_torchft_gives_no_choice(ligh
     finally:
         for worker in workers:
             worker.seat.shutdown()
+
+
+def test_workers_whose_parameters_differ_all_stop_at_the_sync(lighthouse):
+    """Each sync compares the participants' fingerprints (taken after healing): a worker whose
+    global parameters differ from the others' would merge into another model, so every
+    participant stops, naming each rank's fingerprint."""
+    digests = ["ab" * 32, "ab" * 32, "cd" * 32]
+    workers = [Worker(rank, lighthouse, fingerprint=lambda rank=rank: digests[rank])
+               for rank in range(3)]
+    try:
+        for (outcome,) in in_threads(*[lambda w=w: _raised(lambda: w.seat.sync(
+                w.contribution(1))) for w in workers]):
+            assert isinstance(outcome, WorkersDiffer)
+            assert f"2: {'cd' * 12}" in str(outcome) and f"0: {'ab' * 12}" in str(outcome)
+    finally:
+        for worker in workers:
+            worker.seat.shutdown()
+
+
+def _raised(call: Callable[[], Any]) -> tuple[BaseException | None]:
+    """(what `call` raised,) or (None,): a result in_threads does not re-raise."""
+    try:
+        call()
+    except BaseException as exc:  # noqa: BLE001 - what the test inspects
+        return (exc,)
+    return (None,)

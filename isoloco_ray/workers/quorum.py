@@ -10,8 +10,9 @@ joined). The seat
    whose state is behind is healed there from a peer (θ, outer momentum, counters: whatever the
    `state_dict` callback returns), and a healed worker contributes nothing to this sync;
 2. exchanges one header row per worker (rank, whether it brings a Δ, its good replicas, its
-   loss sum) by a float64 sum in which each row is non-zero only in its own slot, so the sum
-   is exact and the same on every worker;
+   loss sum, a fingerprint of its global parameters) by a float64 sum in which each row is
+   non-zero only in its own slot, so the sum is exact and the same on every worker; workers
+   whose parameters differ stop the run, all of them (they would merge into different models);
 3. gathers every worker's payload (an all-gather, not a sum: gloo would add in an order of its
    own, which a plain reference loop could not reproduce; each worker adds the contributors'
    payloads in rank order instead);
@@ -35,13 +36,20 @@ from typing import Any
 import torch
 
 from isoloco_ray.local_ray import is_loopback, loopback_store
+from isoloco_ray.workers.agreement import TrainingStopped
 
-# rank, brings a Δ (0/1), loss sum, waits for the others (0/1); then one 0/1 per replica
-HEADER_FIELDS = 4
+# rank, brings a Δ (0/1), loss sum, waits for the others (0/1), the parameters' fingerprint
+# (two 48-bit parts, exact in float64); then one 0/1 per replica
+HEADER_FIELDS = 6
+FINGERPRINT_DIGITS = 12  # hex digits per part
 
 
 class QuorumError(RuntimeError):
     """The sync could not be committed in `max_attempts` quorums; the message says why."""
+
+
+class WorkersDiffer(TrainingStopped):
+    """The quorum's workers hold different global parameters: every one of them stops."""
 
 
 @dataclass
@@ -71,7 +79,9 @@ class QuorumSeat:
     """A worker's torchft Manager, used once per outer round (see the module's docstring).
 
     `state_dict` / `load_state_dict` give and take what a worker that fell behind needs to go
-    on (torchft calls them while healing); `numel` is the payload's length."""
+    on (torchft calls them while healing); `numel` is the payload's length; `fingerprint`
+    gives a hex digest of the worker's global parameters (checkpoint.parameters_checksum),
+    compared across the quorum in every sync."""
 
     def __init__(self, rank: int, replicas: int, numel: int, lighthouse_addr: str,
                  state_dict: Callable[[], dict[str, Any]],
@@ -79,7 +89,8 @@ class QuorumSeat:
                  min_workers: int, host: str = "127.0.0.1",
                  timeout: timedelta = timedelta(seconds=30),
                  quorum_timeout: timedelta = timedelta(seconds=600),
-                 max_attempts: int = 5) -> None:
+                 max_attempts: int = 5,
+                 fingerprint: Callable[[], str] | None = None) -> None:
         from torch.distributed import TCPStore
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.manager import Manager
@@ -87,6 +98,7 @@ class QuorumSeat:
 
         self.rank, self.replicas, self.numel = rank, replicas, numel
         self.max_attempts = max_attempts
+        self.fingerprint = fingerprint
         self._healed = False
 
         def load(state: dict[str, Any]) -> None:
@@ -145,6 +157,11 @@ class QuorumSeat:
         header = torch.zeros(size, HEADER_FIELDS + self.replicas, dtype=torch.float64)
         header[slot, 0] = self.rank
         header[slot, 3] = float(waiting)
+        if self.fingerprint is not None:  # after healing: a healed worker holds its peer's
+            digest = self.fingerprint()
+            header[slot, 4:6] = torch.tensor(
+                [int(digest[i:i + FINGERPRINT_DIGITS], 16)
+                 for i in (0, FINGERPRINT_DIGITS)], dtype=torch.float64)
         if contribution is not None:
             header[slot, 1] = 1.0
             header[slot, 2] = contribution.loss_sum
@@ -153,6 +170,12 @@ class QuorumSeat:
         if self.manager.errored() is not None:
             return None
         ranks = [int(row[0]) for row in header]
+        prints = {rank: tuple(int(v) for v in row[4:6]) for rank, row in zip(ranks, header)}
+        if self.fingerprint is not None and len(set(prints.values())) > 1:
+            raise WorkersDiffer(
+                "the workers' global parameters differ (fingerprints by rank: "
+                + ", ".join(f"{rank}: {a:012x}{b:012x}" for rank, (a, b) in sorted(prints.items()))
+                + "); the outer sync is not deterministic here")
         brings = [bool(row[1] > 0.5) for row in header]
         payload = (contribution.payload if contribution is not None
                    else torch.zeros(self.numel, dtype=torch.float32))

@@ -17,7 +17,9 @@ Ray Train restarts the whole group, which this mode exists to avoid). Instead:
 A worker replacing a lost one starts from the newest checkpoint like any other, then is healed
 by its peers in its first sync (θ, outer optimizer, counters) and its replicas go on from
 there (Trainer.join). If the run ends before it gets a quorum, it waits at most
-its quorum timeout, then returns.
+its quorum timeout, then returns. A worker still running `END_GRACE_S` after the run's result
+was written (one that hangs alive) exits: Ray Train waits for every worker before it ends a
+run.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import json
 import os
 import posixpath
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -43,6 +47,11 @@ from isoloco_ray.workers.model import parameters_of
 from isoloco_ray.workers.quorum import QuorumSeat
 from isoloco_ray.workers.round_metrics import Metrics
 
+# How long a worker may go on once the run's result is written (its last checkpoint files may
+# still be uploading), and how often it looks for the result.
+END_GRACE_S = 60.0
+END_POLL_S = 1.0
+
 def seated_trainer(cfg: TrainConfig, data_dir: Path, env: WorkerEnv, lighthouse: str,
                    host: str = "127.0.0.1", timeout: timedelta = timedelta(seconds=30),
                    quorum_timeout: timedelta = timedelta(seconds=600)) -> Trainer:
@@ -54,7 +63,9 @@ def seated_trainer(cfg: TrainConfig, data_dir: Path, env: WorkerEnv, lighthouse:
                       lambda: holder["trainer"].quorum_state(),
                       lambda state: holder["trainer"].load_quorum_state(state),
                       min_workers=min_quorum(cfg.scaling.num_workers), host=host,
-                      timeout=timeout, quorum_timeout=quorum_timeout)
+                      timeout=timeout, quorum_timeout=quorum_timeout,
+                      fingerprint=lambda: checkpoint.parameters_checksum(
+                          holder["trainer"].global_params))
     try:
         holder["trainer"] = Trainer(cfg, data_dir, replace(env, seat=seat))
     except BaseException:
@@ -123,6 +134,39 @@ def read_end(run_dir: Any) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+class EndWatch:
+    """While a worker trains: once the run's result is written (by whichever worker), calls
+    `exit` if the worker has not ended `grace` seconds later (see the module's docstring)."""
+
+    def __init__(self, run_dir: Any, grace: float = END_GRACE_S, poll: float = END_POLL_S,
+                 exit: Callable[[], None] | None = None) -> None:
+        self.run_dir, self.grace, self.poll = run_dir, grace, poll
+        self.exit = exit or _exit_worker
+        self._ended = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> EndWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ended.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._ended.wait(self.poll):
+            if read_end(self.run_dir) is not None:
+                if not self._ended.wait(self.grace):
+                    self.exit()
+                return
+
+
+def _exit_worker() -> None:
+    print(f"the run's result is written and this worker has not ended {END_GRACE_S:g} s "
+          "later: it exits", file=sys.stderr, flush=True)
+    os._exit(0)
+
+
 def train_replica_worker(cfg: TrainConfig, data_dir: Path, run_dir: Any, env: WorkerEnv,
                          progress: Any, loopback: bool, timeouts: dict[str, float]) -> None:
     """Ray Train's entry point in `replica` mode, once the WorkerEnv is built: resume from
@@ -153,7 +197,8 @@ def train_replica_worker(cfg: TrainConfig, data_dir: Path, run_dir: Any, env: Wo
             return
     assert trainer.env.seat is not None
     try:
-        summary = trainer.run()
+        with EndWatch(run_dir):
+            summary = trainer.run()
     except TimeoutError:
         # No quorum formed: the others may have finished (a worker replaced during the last
         # round), which leaves nothing to do; otherwise Ray Train replaces this worker too.
