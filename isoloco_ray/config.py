@@ -503,8 +503,8 @@ class TrainConfig(_Section):
                                  f"{'it' if len(inert) == 1 else 'them'}")
 
     def _check_fault_tolerance(self) -> None:
-        """What `scaling.fault_tolerance: replica` runs so far (issue 36, stage 1): the outer
-        sync of the mean-only strategies, whose quorum sums each worker's Δ sum."""
+        """What `scaling.fault_tolerance: replica` runs so far: every DiLoCo strategy's outer
+        step over a quorum in float32, without streaming, on CPUs."""
         if self.scaling.fault_tolerance != "replica":
             return
         if self.run.max_failures == 0:
@@ -519,9 +519,6 @@ class TrainConfig(_Section):
         if outer.strategy == "adamw_ddp":
             unsupported.append("outer.strategy adamw_ddp (it all-reduces every inner step)")
         else:
-            if not Route.choose(outer.quorum_outer(), OuterMerge.of(outer)).sums:
-                unsupported.append(f"outer.strategy {outer.strategy} with these outer settings "
-                                   "(it merges each replica's pseudo-gradient)")
             if outer.comm_dtype != "float32" or outer.topk is not None:
                 unsupported.append("a compressed outer sync (outer.comm_dtype, outer.topk)")
         if outer.streaming:
@@ -531,8 +528,7 @@ class TrainConfig(_Section):
         if unsupported:
             raise ValueError(
                 f"scaling.fault_tolerance: replica does not run {'; '.join(unsupported)} yet "
-                "(it runs diloco, diloco_sgd, isoc, isoloco and dare, whose outer step needs "
-                "only the sum of the pseudo-gradients, in float32, on CPUs: "
+                "(it runs every outer strategy but adamw_ddp, in float32, on CPUs: "
                 "docs/fault_tolerance.md); set --scaling.fault_tolerance=restart")
 
     def _check_streaming(self) -> None:

@@ -123,16 +123,14 @@ def test_token_budget_sets_rounds():
     (["--scaling.fault_tolerance=replica", "--run.max_failures=0"],
      "scaling.fault_tolerance: replica replaces a lost worker as one Ray Train failure: set "
      "run.max_failures >= 1 (or -1, unlimited)"),
-    (["--scaling.fault_tolerance=replica", "--outer.strategy=tsv"],
-     "scaling.fault_tolerance: replica does not run outer.strategy tsv with these outer "
-     "settings (it merges each replica's pseudo-gradient) yet (it runs diloco, diloco_sgd, "
-     "isoc, isoloco and dare"),
     (["--scaling.fault_tolerance=replica", "--outer.placement=rank0"],
      "outer.placement=rank0 has no effect with scaling.fault_tolerance: replica (every worker "
      "merges the quorum's sum: rank 0 may be gone); remove it"),
     (["--scaling.fault_tolerance=replica", "--outer.placement=sharded",
-      "--outer.comm_dtype=int8"], "replica does not run outer.strategy diloco with these outer "
-     "settings (it merges each replica's pseudo-gradient); a compressed outer sync"),
+      "--outer.comm_dtype=int8"], "scaling.fault_tolerance: replica does not run a compressed "
+     "outer sync (outer.comm_dtype, outer.topk) yet (it runs every outer strategy but "
+     "adamw_ddp, in float32, on CPUs: docs/fault_tolerance.md); set "
+     "--scaling.fault_tolerance=restart"),
     (["--scaling.fault_tolerance=replica", "--inner.steps=4", "--outer.delay=1"],
      "replica does not run outer.fragments, outer.delay or outer.mix yet"),
     (["--scaling.fault_tolerance=replica", "--outer.strategy=adamw_ddp",
@@ -177,6 +175,9 @@ def test_settings_with_an_effect_are_accepted_and_resolved_configs_round_trip():
                   "--scaling.min_workers=2"],
                  ["--scaling.fault_tolerance=replica"],
                  ["--scaling.fault_tolerance=replica", "--outer.strategy=isoloco"],
+                 ["--scaling.fault_tolerance=replica", "--outer.strategy=tsv"],
+                 ["--scaling.fault_tolerance=replica", "--outer.strategy=ties",
+                  "--outer.prune=random"],
                  ["--scaling.fault_tolerance=replica", "--outer.strategy=isoc",
                   "--outer.placement=replicated"],
                  ["--scaling.fault_tolerance=replica", "--outer.strategy=dare",

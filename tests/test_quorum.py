@@ -190,6 +190,37 @@ def seeded(seed: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
 
 
+class Peer:
+    """A worker of the quorum-step tests: θ, its OuterSync and seat; it hosts replicas
+    2·rank and 2·rank+1, whose Δ_r in round j are seeded by (j, r)."""
+
+    def __init__(self, rank: int, outer, lighthouse: str) -> None:
+        self.rank, self.theta = rank, seeded(0)
+        self.outer = OuterSync(outer, REPLICAS, seed=0)
+        numel = sum(torch.Size(shape).numel() for shape in SHAPES.values())
+        copies = 1 if self.outer.route.sums else HOSTED
+        self.seat = QuorumSeat(rank, REPLICAS, numel * copies, lighthouse, self.state_dict,
+                               self.load_state_dict, min_workers=2,
+                               timeout=timedelta(seconds=10),
+                               quorum_timeout=timedelta(seconds=60))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"theta": self.theta, "outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # not called here
+        raise AssertionError("no worker is behind in this test")
+
+    def step(self, round_index: int, diverged: set[int]) -> CommittedSync:
+        _, committed = self.outer.quorum_step(self.theta, hosted_deltas(round_index, self.rank),
+                                              round_index, self.seat, diverged)
+        return committed
+
+
+def hosted_deltas(round_index: int, rank: int) -> dict[int, dict[str, torch.Tensor]]:
+    return {r: seeded(100 * round_index + r)
+            for r in range(HOSTED * rank, HOSTED * rank + HOSTED)}
+
+
 @pytest.mark.parametrize("strategy", ["diloco", "isoc"])  # an elementwise and a spectral merge
 def test_the_outer_step_over_a_quorum_is_the_plain_step_over_its_contributors(lighthouse,
                                                                             strategy):
@@ -199,30 +230,6 @@ def test_the_outer_step_over_a_quorum_is_the_plain_step_over_its_contributors(li
     workers' in rank order)."""
     outer = load_config([f"--outer.strategy={strategy}", "--outer.lr=0.7",
                          "--outer.placement=replicated", "--scaling.replicas=6"]).outer
-    numel = sum(torch.Size(shape).numel() for shape in SHAPES.values())
-
-    class Peer:
-        def __init__(self, rank: int) -> None:
-            self.rank, self.theta = rank, seeded(0)
-            self.outer = OuterSync(outer, REPLICAS, seed=0)
-            self.seat = QuorumSeat(rank, REPLICAS, numel, lighthouse, self.state_dict,
-                                   self.load_state_dict, min_workers=2,
-                                   timeout=timedelta(seconds=10),
-                                   quorum_timeout=timedelta(seconds=60))
-
-        def state_dict(self) -> dict[str, Any]:
-            return {"theta": self.theta, "outer": self.outer.state_dict()}
-
-        def load_state_dict(self, state: dict[str, Any]) -> None:  # not called here
-            raise AssertionError("no worker is behind in this test")
-
-        def step(self, round_index: int, diverged: set[int]) -> CommittedSync:
-            hosted = {r: seeded(100 * round_index + r)
-                      for r in range(HOSTED * self.rank, HOSTED * self.rank + HOSTED)}
-            _, committed = self.outer.quorum_step(self.theta, hosted, round_index, self.seat,
-                                                  diverged)
-            return committed
-
     # The plain outer step, written out.
     theta, optimizer = seeded(0), aggregators.OuterOptimizer(
         lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
@@ -247,7 +254,7 @@ def test_the_outer_step_over_a_quorum_is_the_plain_step_over_its_contributors(li
         optimizer.apply(theta, {name: optimizer.update(name, g)
                                 for name, g in directions.items()})
 
-    peers = [Peer(rank) for rank in range(3)]
+    peers = [Peer(rank, outer, lighthouse) for rank in range(3)]
     try:
         results = in_threads(*[lambda p=p: p.step(1, {3}) for p in peers])
         assert all(result.good == [0, 1, 2, 4, 5] for result in results)
@@ -264,9 +271,40 @@ def test_the_outer_step_over_a_quorum_is_the_plain_step_over_its_contributors(li
             peer.seat.shutdown()
 
 
+@pytest.mark.parametrize("args", [["--outer.strategy=tsv"], ["--outer.strategy=isocts"],
+                                  ["--outer.strategy=ties"],
+                                  ["--outer.strategy=ties", "--outer.prune=random"]],
+                         ids=["tsv", "isocts", "ties", "ties-random"])
+def test_a_per_replica_merge_over_a_quorum_is_the_step_without_the_missing_replicas(lighthouse,
+                                                                                   args):
+    """The merges of every Δ_r over a quorum: 3 workers, replica 3 diverged in round 1, worker
+    2 gone in round 2. Every survivor's θ is, bit for bit, that of the one-process outer step
+    over all 6 replicas with the missing ones left out as diverged (docs/strategies.md, "Over
+    a partial quorum"): a lost worker's replicas are dropped exactly like diverged ones."""
+    outer = load_config([*args, "--outer.lr=0.7", "--scaling.replicas=6"]).outer.quorum_outer()
+    reference, theta = OuterSync(outer, REPLICAS, seed=0), seeded(0)
+    assert not reference.route.sums
+    peers = [Peer(rank, outer, lighthouse) for rank in range(3)]
+    try:
+        results = in_threads(*[lambda p=p: p.step(1, {3}) for p in peers])
+        assert all(result.good == [0, 1, 2, 4, 5] for result in results)
+        reference.step(theta, {r: seeded(100 + r) for r in range(6)}, 1, diverged={3})
+        peers[2].seat.shutdown()
+        results = in_threads(*[lambda p=p: p.step(2, set()) for p in peers[:2]])
+        assert all(result.good == [0, 1, 2, 3] for result in results)
+        reference.step(theta, {r: seeded(200 + r) for r in range(6)}, 2, diverged={4, 5})
+        for peer in peers[:2]:
+            for name in SHAPES:
+                assert torch.equal(peer.theta[name], theta[name]), (peer.rank, name)
+    finally:
+        for peer in peers:
+            peer.seat.shutdown()
+
+
 def test_the_quorum_step_refuses_a_route_it_cannot_run():
-    outer = load_config(["--outer.strategy=tsv", "--scaling.replicas=6"]).outer
-    with pytest.raises(ValueError, match="tsv with these outer settings sends each Δ_r"):
+    outer = load_config(["--outer.strategy=tsv", "--outer.comm_dtype=int8",
+                         "--outer.placement=replicated", "--scaling.replicas=6"]).outer
+    with pytest.raises(ValueError, match="the quorum's outer step moves float32"):
         OuterSync(outer, REPLICAS, seed=0).quorum_step(seeded(0), {0: seeded(1)}, 1, None)
     outer = load_config(["--outer.strategy=isoc", "--scaling.replicas=6"]).outer
     with pytest.raises(ValueError, match="needs outer.placement=replicated"):
@@ -274,12 +312,12 @@ def test_the_quorum_step_refuses_a_route_it_cannot_run():
 
 
 
-def trainer_config(rounds: int):
+def trainer_config(rounds: int, *args: str):
     """Tiny Trainers of 2 replicas each, 3 workers, whole batches (as the plain loop)."""
     return load_config(["--model.preset=tiny", "--inner.steps=3", f"--run.rounds={rounds}",
                         "--data.seq_len=64", "--data.batch_size=4", "--data.micro_batch_size=4",
                         "--run.eval_tokens=512", f"--run.eval_every={rounds}",
-                        "--scaling.replicas=6", "--scaling.replicas_per_worker=2"])
+                        "--scaling.replicas=6", "--scaling.replicas_per_worker=2", *args])
 
 
 def seated_trainer(cfg, data_dir, rank: int, lighthouse: str, report=None, after_replica=None):
@@ -427,3 +465,25 @@ def _raised(call: Callable[[], Any]) -> tuple[BaseException | None]:
     except BaseException as exc:  # noqa: BLE001 - what the test inspects
         return (exc,)
     return (None,)
+
+
+def test_trainers_merging_every_replica_over_a_quorum_end_as_one_process_hosting_them_all(
+        lighthouse, small_dataset):
+    """TSV (a merge of every Δ_r) on 3 seated Trainers: each worker's 2 Δ_r travel through
+    the quorum and every worker merges all 6 in replica order, so each ends, bit for bit,
+    where one process hosting all 6 replicas (restart mode's layout V = 6) ends."""
+    from isoloco_ray.workers import checkpoint
+    from isoloco_ray.workers.local import run_local
+
+    cfg = trainer_config(2, "--outer.strategy=tsv")
+    trainers = [seated_trainer(cfg, small_dataset, rank, lighthouse) for rank in range(3)]
+    try:
+        in_threads(*[trainer.run for trainer in trainers], timeout=120)
+    finally:
+        for trainer in trainers:
+            trainer.env.seat.shutdown()
+    alone = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(
+        update={"replicas_per_worker": 6})})
+    expected = run_local(alone, small_dataset)[0]["model_sha256"]
+    for trainer in trainers:
+        assert checkpoint.parameters_sha256(trainer.global_params) == expected, trainer.env.rank

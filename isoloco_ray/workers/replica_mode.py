@@ -38,12 +38,14 @@ from urllib.parse import urlsplit
 
 from isoloco_ray import run_files, storage, strict_json
 from isoloco_ray.config import TrainConfig
+from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.data.format import DatasetMeta
 from isoloco_ray.fault_tolerance import min_quorum
 from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.export import ExportError, export_model
 from isoloco_ray.workers.loop import Trainer, WorkerEnv
 from isoloco_ray.workers.model import parameters_of
+from isoloco_ray.workers.outer.route import Route
 from isoloco_ray.workers.quorum import QuorumSeat
 from isoloco_ray.workers.round_metrics import Metrics
 
@@ -59,6 +61,8 @@ def seated_trainer(cfg: TrainConfig, data_dir: Path, env: WorkerEnv, lighthouse:
     peer that fell behind is healed: the seat's state callbacks are this Trainer's."""
     holder: dict[str, Trainer] = {}
     numel = parameters_of(cfg.model, DatasetMeta.load(data_dir).vocab_size)
+    if not Route.choose(cfg.outer.quorum_outer(), OuterMerge.of(cfg.outer)).sums:
+        numel *= cfg.scaling.replicas_per_worker  # each hosted Δ_r, not their sum
     seat = QuorumSeat(env.rank, cfg.scaling.replicas, numel, lighthouse,
                       lambda: holder["trainer"].quorum_state(),
                       lambda state: holder["trainer"].load_quorum_state(state),

@@ -179,22 +179,23 @@ class OuterSync:
                     losses: Mapping[int, float] | None = None, waiting: bool = False
                     ) -> tuple[OuterStepStats, CommittedSync]:
         """The outer step over the workers alive this round (scaling.fault_tolerance:
-        replica): this worker's sum of its good hosted Δ_r goes to the round's quorum
-        (quorum.py), and the committed mean, Σ over the contributors in rank order / the good
-        replicas, is merged and applied as `step` does; `losses` (each hosted replica's mean
-        inner loss) are summed over the good ones into the quorum's loss sum; `waiting`: see
-        QuorumSeat.sync. `global_params`
-        and the outer state may be replaced by a peer's inside the sync (this worker was
-        behind: it brings no Δ). Only the route that sums and merges everywhere (mean-only
-        strategies, a lossless wire, outer.placement replicated or, for elementwise merges,
-        sharded): ValueError otherwise."""
-        if not self.route.sums:
-            raise ValueError(f"outer.strategy {self.outer.strategy} with these outer settings "
-                             "sends each Δ_r, not their sums: the quorum's outer step cannot "
-                             "run it")
+        replica). This worker's payload goes to the round's quorum (quorum.py): the sum of its
+        good hosted Δ_r when the merge needs only their mean, else each hosted Δ_r (pruned
+        where hosted, as `step` sends them). Every participant then merges what the
+        contributors sent, in rank order, exactly as `step` merges the replicas it has: the
+        mean divides by the good replicas in it, a per-replica merge gets their Δ_r in replica
+        order, and the replicas of a worker that sent nothing are left out like diverged ones.
+        `losses` (each hosted replica's mean inner loss) are summed over the good ones into
+        the quorum's loss sum; `waiting`: see QuorumSeat.sync. `global_params` and the outer
+        state may be replaced by a peer's inside the sync (this worker was behind: it brings
+        no Δ). Needs a route on which every worker merges and a float32 wire without
+        error feedback (the quorum moves float32): ValueError otherwise."""
         if not self.route.everyone_merges:
             raise ValueError(f"outer.strategy {self.outer.strategy} merges on owner ranks: the "
                              "quorum's outer step needs outer.placement=replicated")
+        if self.outer.comm_dtype != "float32" or self.outer.topk is not None:
+            raise ValueError("the quorum's outer step moves float32: outer.comm_dtype float32 "
+                             "without outer.topk")
         stats = OuterStepStats()
         device = next(iter(global_params.values())).device
         names = list(global_params)
@@ -203,29 +204,49 @@ class OuterSync:
         if good:
             with stopwatch(stats, "merge_seconds", device):
                 payload = self.payloads.make(hosted, good, round_index)
-                flat = torch.cat([payload[name][0].reshape(-1) for name in names])
+                copies = len(payload[names[0]])  # 1 (the sum) or each hosted replica's
+                flat = torch.cat([payload[name][copy].reshape(-1)
+                                  for copy in range(copies) for name in names])
             contribution = Contribution(flat, good, sum((losses or {}).get(r, 0.0)
                                                         for r in good))
         with stopwatch(stats, "comm_seconds", device):
             committed = seat.sync(contribution, waiting)
         stats.dropped = [r for r in range(self.replicas) if r not in committed.good]
         # The other participants' float32 payloads (the all-gather; headers are a few bytes).
-        stats.bytes_received = (len(committed.participants) - 1) * 4 * sum(
-            t.numel() for t in global_params.values())
+        stats.bytes_received = (len(committed.participants) - 1) * 4 * seat.numel
         if not committed.good:
             stats.skipped = True
             return stats, committed
-        sizes = [global_params[name].numel() for name in names]
-        # Each contributor is a source that sent one sum per tensor, in rank order: the sums
-        # route of `_updates` (its mean, merge and momentum), as `step` takes it.
-        contributions: Contributions = {name: [] for name in names}
-        for payload in committed.payloads:
-            for name, part in zip(names, payload.split(sizes)):
-                contributions[name].append([part.view_as(global_params[name])])
         with stopwatch(stats, "merge_seconds", device):
-            updates = self._updates(contributions, committed.good, round_index)
+            updates = self._updates(self._quorum_contributions(committed, global_params),
+                                    committed.good, round_index)
             self.optimizer.apply(global_params, updates)
         return stats, committed
+
+    def _quorum_contributions(self, committed: CommittedSync,
+                              global_params: Mapping[str, torch.Tensor]) -> Contributions:
+        """The committed payloads as `_updates` takes them. Sums: each contributor is a
+        source that sent one sum per tensor, in rank order. Each Δ_r: one source holding
+        every replica's (this group has one rank), worker w's V payloads as replicas
+        wV … wV+V−1 (the layout); only the good ones are read."""
+        names = list(global_params)
+        sizes = [global_params[name].numel() for name in names]
+        contributions: Contributions = {name: [] for name in names}
+        if self.route.sums:
+            for payload in committed.payloads:
+                for name, part in zip(names, payload.split(sizes)):
+                    contributions[name].append([part.view_as(global_params[name])])
+            return contributions
+        slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.replicas)]
+        for rank, payload in zip(committed.contributors, committed.payloads):
+            copies = payload.numel() // sum(sizes)
+            for copy, chunk in enumerate(payload.split(sum(sizes))):
+                slots[rank * copies + copy] = {
+                    name: part.view_as(global_params[name])
+                    for name, part in zip(names, chunk.split(sizes))}
+        for name in names:
+            contributions[name].append([slot.get(name) for slot in slots])  # type: ignore[misc]
+        return contributions
 
     # -- what each rank contributes ------------------------------------------------------------
 
