@@ -10,7 +10,9 @@ workers alive, and Ray Train replaces a lost worker alone while the others go on
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from isoloco_ray.config import ConfigError, TrainConfig
@@ -59,3 +61,23 @@ def torchft_backend(cfg: TrainConfig, joined: bool) -> Any:
                            "join_timeout_ms": JOIN_TIMEOUT_MS,
                            "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS},
         backend="gloo")
+
+
+def quorum_summary(lines: Iterable[str]) -> dict[str, Any]:
+    """A replica-mode run's figures for summary.json from its metrics.jsonl lines (the last
+    record of each round: a resumed run repeats the rounds after its checkpoint):
+    `worker_losses`, the times a worker that brought a Δ to one round brought none to the
+    next (lost, or stalled past the lighthouse's wait); `rounds_with_missing_workers`; and
+    `max_quorum_wait_seconds`, the longest a round's writer waited for its quorum."""
+    rounds: dict[int, dict[str, Any]] = {}
+    for line in lines:
+        record = json.loads(line)
+        if record.get("round", 0) > 0 and "contributors" in record:
+            rounds[record["round"]] = record
+    ordered = [rounds[index] for index in sorted(rounds)]
+    losses = sum(len(set(before["contributors"]) - set(after["contributors"]))
+                 for before, after in zip(ordered, ordered[1:]))
+    return {"worker_losses": losses,
+            "rounds_with_missing_workers": sum(bool(r["missing_workers"]) for r in ordered),
+            "max_quorum_wait_seconds": max((r["quorum_wait_seconds"] for r in ordered),
+                                           default=0.0)}

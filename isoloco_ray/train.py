@@ -23,7 +23,8 @@ from isoloco_ray.config import (ConfigError, ScalingConfig, TrainConfig, config_
 from isoloco_ray.data.checks import epochs, validated_data_dir
 from isoloco_ray.data.format import DataError, DatasetMeta
 from isoloco_ray.elastic import allowed_counts_only, ray_scaling_config
-from isoloco_ray.fault_tolerance import check_torchft_available, timeouts, torchft_backend
+from isoloco_ray.fault_tolerance import (check_torchft_available, quorum_summary, timeouts,
+                                         torchft_backend)
 from isoloco_ray.local_ray import joined_cluster
 from isoloco_ray.storage import check_writable, hold_run
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
@@ -210,6 +211,8 @@ def format_progress(metrics: dict[str, Any], rounds: int, overlapped: bool = Fal
         parts.append(f"loss {metrics['loss']:.4f}")
     if "eval_loss" in metrics:
         parts.append(f"eval {metrics['eval_loss']:.4f} (ppl {metrics['eval_perplexity']:.1f})")
+    if metrics.get("missing_workers"):  # scaling.fault_tolerance: replica
+        parts.append(f"without workers {metrics['missing_workers']}")
     if metrics.get("dropped_replicas"):
         parts.append(f"dropped replicas {metrics['dropped_replicas']}")
     if "tokens_per_s" in metrics:
@@ -335,6 +338,9 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
         return {"error": f"the workers ended without leaving the run's result "
                          f"({run_files.FT_END}); run the same command again to resume from the "
                          "latest checkpoint"}
+    metrics = run_dir / run_files.METRICS
+    if "error" not in final and metrics.exists():
+        final.update(quorum_summary(metrics.read_text().splitlines()))
     return final
 
 

@@ -4,6 +4,7 @@ run's (docs/fault_tolerance.md)."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 
@@ -35,18 +36,34 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
     monkeypatch.setenv("ISOLOCO_RAY_FT_QUORUM_TIMEOUT_S", "60")
     assert train.main(args) == 0
     assert (tmp_path / "killed").exists()
+    assert "round    3/40 | loss" in capsys.readouterr().out.split("without workers [1]")[0]
     run_dir = tmp_path / "ft"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     assert [m["round"] for m in metrics] == list(range(41))
     contributors = [m["contributors"] for m in metrics[1:]]
     assert contributors[:2] == [[0, 1, 2]] * 2 and contributors[2] == [0, 2]
+    assert metrics[3]["missing_workers"] == [1] and metrics[3]["quorum"] == [0, 2]
     assert contributors[-1] == [0, 1, 2]  # the replacement took part again
     assert all(m["sync_attempts"] == 1 for m in metrics)
     summary = json.loads((run_dir / "summary.json").read_text())
     expected = plain_loop.run_over_quorums(load_config(args), small_dataset, contributors)
     assert summary["model_sha256"] == checkpoint.parameters_sha256(expected)
-    assert checkpoint.checkpoint_problems(run_dir / "ftcheckpoint_000040") == []
+    assert summary["worker_losses"] == 1
+    assert summary["rounds_with_missing_workers"] == sum(c != [0, 1, 2] for c in contributors)
+    assert summary["max_quorum_wait_seconds"] >= metrics[3]["quorum_wait_seconds"] > 1
     assert (run_dir / "model" / "model.safetensors").is_file()
+
+    # The whole run again from its checkpoint of round 30 (as after a stop): it resumes from
+    # storage, not from a peer, and ends with the same parameters.
+    for name in ("summary.json", "ft_end.json"):
+        (run_dir / name).unlink()
+    shutil.rmtree(run_dir / "model")
+    shutil.rmtree(run_dir / "ftcheckpoint_000040")
+    assert checkpoint.checkpoint_problems(run_dir / "ftcheckpoint_000030") == []
+    assert train.main(args) == 0
+    assert "resuming" in capsys.readouterr().out
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["model_sha256"] == summary["model_sha256"]
 
 
 def test_a_worker_that_outlives_the_runs_result_is_made_to_exit(tmp_path):

@@ -47,7 +47,7 @@ class Worker:
     def __init__(self, rank: int, lighthouse: str, fingerprint=None) -> None:
         self.rank = rank
         self.theta = torch.zeros(NUMEL)
-        self.seat = QuorumSeat(rank, REPLICAS, NUMEL, lighthouse, self.state_dict,
+        self.seat = QuorumSeat(rank, 3, REPLICAS, NUMEL, lighthouse, self.state_dict,
                                self.load_state_dict, min_workers=2,
                                # A dead peer fails a collective within this (at once, mostly).
                                timeout=timedelta(seconds=5),
@@ -199,7 +199,7 @@ class Peer:
         self.outer = OuterSync(outer, REPLICAS, seed=0)
         numel = sum(torch.Size(shape).numel() for shape in SHAPES.values())
         copies = 1 if self.outer.route.sums else HOSTED
-        self.seat = QuorumSeat(rank, REPLICAS, numel * copies, lighthouse, self.state_dict,
+        self.seat = QuorumSeat(rank, 3, REPLICAS, numel * copies, lighthouse, self.state_dict,
                                self.load_state_dict, min_workers=2,
                                timeout=timedelta(seconds=10),
                                quorum_timeout=timedelta(seconds=60))
@@ -487,3 +487,23 @@ def test_trainers_merging_every_replica_over_a_quorum_end_as_one_process_hosting
     expected = run_local(alone, small_dataset)[0]["model_sha256"]
     for trainer in trainers:
         assert checkpoint.parameters_sha256(trainer.global_params) == expected, trainer.env.rank
+
+
+def test_a_replica_run_without_failures_is_the_restart_run_of_its_layout(lighthouse,
+                                                                         small_dataset):
+    """isoloco on 3 seated Trainers, nobody lost, against restart mode's 3 gloo processes
+    (its route for a spectral merge: each rank's sum to the tensor's owner, added in rank
+    order, as the quorum adds them): the same parameters, bit for bit."""
+    from isoloco_ray.workers import checkpoint
+    from isoloco_ray.workers.local import run_local
+
+    cfg = trainer_config(2, "--outer.strategy=isoloco")
+    trainers = [seated_trainer(cfg, small_dataset, rank, lighthouse) for rank in range(3)]
+    try:
+        in_threads(*[trainer.run for trainer in trainers], timeout=120)
+    finally:
+        for trainer in trainers:
+            trainer.env.seat.shutdown()
+    restart = run_local(cfg, small_dataset)[0]["model_sha256"]
+    for trainer in trainers:
+        assert checkpoint.parameters_sha256(trainer.global_params) == restart, trainer.env.rank

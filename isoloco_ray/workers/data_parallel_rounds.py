@@ -102,7 +102,7 @@ class DataParallelRounds:
         return (loss_sum.item() / cfg.inner.steps / cfg.scaling.workers_per_replica,
                 inner_seconds, stats)
 
-    def quorum_metrics(self) -> dict[str, list[int] | int]:
+    def quorum_metrics(self) -> dict[str, list[int] | int | float]:
         """Nothing: it never runs over a quorum (refused at start)."""
         return {}
 

@@ -182,14 +182,20 @@ class DiLoCoRounds:
                 pending.exception()
         self.in_flight.clear()
 
-    def quorum_metrics(self) -> dict[str, list[int] | int]:
+    def quorum_metrics(self) -> dict[str, list[int] | int | float]:
         """With a quorum seat, who took part in the round's sync: the workers in its quorum,
-        those that brought a Δ, and the quorums it took (1 when nobody failed)."""
+        those that brought a Δ, those that did not (`missing_workers`: lost, or just
+        healed; at the join before round 1, those not in it), the quorums it took (1 when
+        nobody failed) and the seconds this worker waited for them."""
         if self.committed is None:
             return {}
-        return {"quorum": self.committed.participants,
-                "contributors": self.committed.contributors,
-                "sync_attempts": self.committed.attempts}
+        contributors = self.committed.contributors
+        present = contributors or self.committed.participants
+        return {"quorum": self.committed.participants, "contributors": contributors,
+                "missing_workers": [w for w in range(self.trainer.env.world)
+                                    if w not in present],
+                "sync_attempts": self.committed.attempts,
+                "quorum_wait_seconds": self.committed.quorum_seconds}
 
     def save(self, directory: Path) -> None:
         """Nothing of its own to save: every sync has landed at a round's end."""

@@ -94,6 +94,7 @@ class Trainer:
     first_round_seconds: float
     bytes_total: int  # outer bytes the busiest rank received, summed over rounds
     bad_rounds: int  # consecutive rounds skipped because every replica diverged
+    joined: bool  # with a quorum seat: whether `join` ran (not state: each process joins)
 
     def __init__(self, cfg: TrainConfig, data_dir: Path, env: WorkerEnv) -> None:
         self.cfg = cfg
@@ -126,6 +127,7 @@ class Trainer:
         self.train_seconds = self.first_round_seconds = 0.0
         self.bytes_total = 0
         self.bad_rounds = 0
+        self.joined = False  # with a quorum seat: whether `join` ran
         self.eval_set = eval_sequences(split_files(data_dir, "valid"), cfg.data.seq_len,
                                        cfg.run.eval_tokens)
         if env.restore_from is not None:
@@ -221,7 +223,7 @@ class Trainer:
         or {"error": why, "rounds": done} when the run had to stop (TrainingStopped)."""
         env = self.env
         try:
-            if env.seat is not None:
+            if env.seat is not None and not self.joined:
                 self.join()
             if self.initial_eval_loss is None:
                 self.initial_eval_loss = self.last_eval_loss = self.evaluate()
@@ -256,29 +258,33 @@ class Trainer:
                                                     self.global_params.items()}, self.fragments)
         self.set_counters(state["counters"])
 
-    def join(self) -> None:
-        """A worker's first sync, with no Δ. At a (re)start every worker's: repeated, for up to
-        JOIN_WAIT_S, until every worker is in it, so that all take the first round (the
-        joiners' syncs apply nothing). For a worker that replaces a lost one (or starts late),
-        the others' next sync, where it is healed if it is behind (`load_quorum_state`, their
-        state before that sync) and applies the committed update with them; its replicas then
-        go on from θ as if they had taken the rounds so far (Replica.rejoin)."""
+    def join(self) -> bool:
+        """A worker's first sync, with no Δ; returns whether the run is starting here (every
+        worker in the sync is new: resume from storage, if at all, now).
+
+        At a (re)start every worker's: repeated, for up to JOIN_WAIT_S, until every worker is
+        in it, so that all take the first round (quorum.py: the repeats apply nothing). For a
+        worker that replaces a lost one (or starts late), the others' next sync, where it is
+        healed (`load_quorum_state`, their state before that sync) and applies the committed
+        update with them; its replicas then go on from θ as if they had taken the rounds so
+        far (Replica.rejoin)."""
         assert self.env.seat is not None and isinstance(self.runner, DiLoCoRounds)
         deadline = time.monotonic() + JOIN_WAIT_S
         while True:
             _, committed = self.outer.quorum_step(self.global_params, {}, self.round,
                                                   self.env.seat,
                                                   waiting=time.monotonic() < deadline)
-            if (committed.contributors or committed.healed or not committed.all_waiting
-                    or len(committed.participants) == self.env.world):
+            if not committed.again:
                 break
             time.sleep(JOIN_POLL_S)
+        self.joined = True
         self.runner.committed = committed
         if committed.good:  # the others' round, completed here too
             self.round += 1
         if committed.good or committed.healed:
             for replica in self.replicas:
                 replica.rejoin(self.round * self.cfg.inner.steps, self.global_params)
+        return not (committed.healed or committed.contributors)
 
     def _train_rounds(self) -> None:
         cfg, env = self.cfg, self.env

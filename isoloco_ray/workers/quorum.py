@@ -18,9 +18,13 @@ joined). The seat
    payloads in rank order instead);
 4. commits only if every participant got everything (`Manager.should_commit`). A failure in
    steps 1-3 (a peer died) makes every survivor's `should_commit` False: the seat starts a new
-   quorum with the survivors and the same contribution, so no inner step is redone. A sync
-   nobody brought a Δ to (workers joining at a start) changes nothing and is not committed:
-   torchft's step, by which it tells who is behind, counts the rounds applied.
+   quorum with the survivors and the same contribution, so no inner step is redone.
+
+Workers joining at a start sync with no Δ, again and again while each of them would rather
+wait for workers still missing (`again`); those repeats are not committed, and the sync that
+ends the wait is. So every worker that took part in the run's start has torchft step ≥ 1, and
+one that comes later (a replacement) has step 0: torchft always heals it from a peer, which
+is why a replacement never reads the state from storage (replica_mode.py).
 
 Bounded everywhere: a collective waits at most `timeout`, a quorum at most `quorum_timeout`,
 a sync at most `max_attempts` quorums; torchft raises past those.
@@ -28,6 +32,7 @@ a sync at most `max_attempts` quorums; torchft raises past those.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -71,8 +76,11 @@ class CommittedSync:
     good: list[int]  # the replicas whose Δ_r are in the payloads, ascending
     loss_sum: float  # Σ over the contributors' loss sums
     attempts: int  # quorums it took (1 when nobody failed)
+    quorum_seconds: float = 0.0  # waiting for the quorums (and healing), all attempts
     healed: bool = False  # this worker's state came from a peer in this sync
-    all_waiting: bool = False  # every participant asked to wait for the workers missing
+    # A join without a Δ, not committed, in which every participant would rather wait for
+    # the workers missing: sync again.
+    again: bool = False
 
 
 class QuorumSeat:
@@ -83,7 +91,8 @@ class QuorumSeat:
     gives a hex digest of the worker's global parameters (checkpoint.parameters_checksum),
     compared across the quorum in every sync."""
 
-    def __init__(self, rank: int, replicas: int, numel: int, lighthouse_addr: str,
+    def __init__(self, rank: int, workers: int, replicas: int, numel: int,
+                 lighthouse_addr: str,
                  state_dict: Callable[[], dict[str, Any]],
                  load_state_dict: Callable[[dict[str, Any]], None], *,
                  min_workers: int, host: str = "127.0.0.1",
@@ -96,7 +105,7 @@ class QuorumSeat:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
-        self.rank, self.replicas, self.numel = rank, replicas, numel
+        self.rank, self.workers, self.replicas, self.numel = rank, workers, replicas, numel
         self.max_attempts = max_attempts
         self.fingerprint = fingerprint
         self._healed = False
@@ -126,22 +135,24 @@ class QuorumSeat:
     def sync(self, contribution: Contribution | None, waiting: bool = False) -> CommittedSync:
         """Run quorums until one commits this round's sync (see the module's docstring);
         `waiting`: this worker, joining, would rather sync again once the workers missing
-        are there (CommittedSync.all_waiting says whether every participant would). Raises
+        are there (CommittedSync.again: every participant would, and some are missing). Raises
         QuorumError after `max_attempts` quorums that could not commit, and torchft's
         TimeoutError when no quorum forms within `quorum_timeout`."""
-        healed = False
+        healed, waited = False, 0.0
         for attempt in range(1, self.max_attempts + 1):
             self._healed = False
+            started = time.perf_counter()
             self.manager.start_quorum()
+            waited += time.perf_counter() - started
             if self._healed:  # behind the others: its Δ was computed from another θ
                 healed, contribution = True, None
             result = self._exchange(contribution, waiting)
-            if result is not None and not result.contributors:
-                result.attempts, result.healed = attempt, healed
-                return result  # nothing to apply: not a step of torchft's
+            if result is not None and result.again:
+                result.attempts, result.healed, result.quorum_seconds = attempt, healed, waited
+                return result  # to be repeated: not a step of torchft's
             if self.manager.should_commit():
                 assert result is not None  # a committed exchange completed
-                result.attempts, result.healed = attempt, healed
+                result.attempts, result.healed, result.quorum_seconds = attempt, healed, waited
                 return result
         raise QuorumError(f"worker {self.rank}: the outer sync was not committed in "
                           f"{self.max_attempts} quorums (workers kept failing during it)")
@@ -192,7 +203,8 @@ class QuorumSeat:
             good=[] if good_flags is None else [r for r in range(self.replicas)
                                                  if good_flags[r] > 0.5],
             loss_sum=float(sum(header[i, 2] for i in contributors)),
-            attempts=0, all_waiting=bool((header[:, 3] > 0.5).all()))
+            attempts=0, again=(not contributors and bool((header[:, 3] > 0.5).all())
+                               and size < self.workers))
 
     def _all_gather(self, payload: torch.Tensor, size: int) -> list[torch.Tensor] | None:
         """Every participant's payload, by slot; None when the collective failed."""

@@ -14,9 +14,10 @@ Ray Train restarts the whole group, which this mode exists to avoid). Instead:
 - the end: the final round's writer exports the model and writes `ft_end.json`, the run's
   result, which the driver reads; a worker that has to stop writes why there instead.
 
-A worker replacing a lost one starts from the newest checkpoint like any other, then is healed
-by its peers in its first sync (θ, outer optimizer, counters) and its replicas go on from
-there (Trainer.join). If the run ends before it gets a quorum, it waits at most
+A worker replacing a lost one reads nothing from storage: it is healed by its peers in its
+first sync (θ, outer optimizer, counters; quorum.py says why it always is) and its replicas go
+on from there (Trainer.join). Only workers that start the run together resume it from the
+newest checkpoint. If the run ends before it gets a quorum, it waits at most
 its quorum timeout, then returns. A worker still running `END_GRACE_S` after the run's result
 was written (one that hangs alive) exits: Ray Train waits for every worker before it ends a
 run.
@@ -63,7 +64,8 @@ def seated_trainer(cfg: TrainConfig, data_dir: Path, env: WorkerEnv, lighthouse:
     numel = parameters_of(cfg.model, DatasetMeta.load(data_dir).vocab_size)
     if not Route.choose(cfg.outer.quorum_outer(), OuterMerge.of(cfg.outer)).sums:
         numel *= cfg.scaling.replicas_per_worker  # each hosted Δ_r, not their sum
-    seat = QuorumSeat(env.rank, cfg.scaling.replicas, numel, lighthouse,
+    seat = QuorumSeat(env.rank, cfg.scaling.num_workers, cfg.scaling.replicas, numel,
+                      lighthouse,
                       lambda: holder["trainer"].quorum_state(),
                       lambda state: holder["trainer"].load_quorum_state(state),
                       min_workers=min_quorum(cfg.scaling.num_workers), host=host,
@@ -173,10 +175,10 @@ def _exit_worker() -> None:
 
 def train_replica_worker(cfg: TrainConfig, data_dir: Path, run_dir: Any, env: WorkerEnv,
                          progress: Any, loopback: bool, timeouts: dict[str, float]) -> None:
-    """Ray Train's entry point in `replica` mode, once the WorkerEnv is built: resume from
-    the newest intact checkpoint, train over the quorums, and leave the result in ft_end.json
-    (the final round's writer, after exporting the model). Returns nothing: the driver reads
-    the file."""
+    """Ray Train's entry point in `replica` mode, once the WorkerEnv is built: join the
+    others (healed by them if they are under way, else resuming from the newest intact
+    checkpoint), train over the quorums, and leave the result in ft_end.json (the final
+    round's writer, after exporting the model). Returns nothing: the driver reads the file."""
     if read_end(run_dir) is not None:
         return  # a replacement started after the run ended
     import ray
@@ -184,24 +186,18 @@ def train_replica_worker(cfg: TrainConfig, data_dir: Path, run_dir: Any, env: Wo
     env = replace(env, report=QuorumReports(env.rank, run_dir, progress,
                                             cfg.run.keep_checkpoints))
     host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-    with resume.open_resume_point(stored_checkpoints(run_dir)) as start:
-        if start.error is not None:
-            write_end(run_dir, {"error": start.error, "rounds": 0})
-            return
-        if start.warning is not None and env.rank == 0:
-            print(start.warning, file=sys.stderr, flush=True)
-        try:
-            trainer = seated_trainer(cfg, data_dir, replace(env, restore_from=start.directory),
-                                     lighthouse_address(loopback), host,
-                                     timedelta(seconds=timeouts["collective"]),
-                                     timedelta(seconds=timeouts["quorum"]))
-        except checkpoint.CheckpointError as exc:
-            write_end(run_dir, {"error": str(exc).replace(str(start.directory), start.name),
-                                "rounds": 0})
-            return
+    trainer = seated_trainer(cfg, data_dir, env, lighthouse_address(loopback), host,
+                             timedelta(seconds=timeouts["collective"]),
+                             timedelta(seconds=timeouts["quorum"]))
     assert trainer.env.seat is not None
+    warning = None
     try:
         with EndWatch(run_dir):
+            if trainer.join():  # the run starts here: from storage, if it has a checkpoint
+                error, warning = restore_newest(trainer, run_dir)
+                if error is not None:  # every worker reaches the same verdict
+                    write_end(run_dir, {"error": error, "rounds": 0})
+                    return
             summary = trainer.run()
     except TimeoutError:
         # No quorum formed: the others may have finished (a worker replaced during the last
@@ -217,14 +213,32 @@ def train_replica_worker(cfg: TrainConfig, data_dir: Path, run_dir: Any, env: Wo
     if not trainer.writes_run_files():
         return
     summary.update(workers=cfg.scaling.num_workers, torch_threads=cfg.scaling.torch_threads)
-    if start.warning is not None:
-        summary["resume_warning"] = start.warning
+    if warning is not None:
+        summary["resume_warning"] = warning
     try:
         export_model(trainer.model, data_dir, run_dir / run_files.MODEL_DIR,
                      summary.get("diverged"))
     except ExportError as exc:  # a run without its model is not finished
         summary["error"] = str(exc)
     write_end(run_dir, summary)
+
+
+def restore_newest(trainer: Trainer, run_dir: Any) -> tuple[str | None, str | None]:
+    """Restore `trainer` from the run's newest intact checkpoint, if it has one; returns
+    (why none can be used, naming the bad files, or None; a warning if damaged newer ones
+    were skipped, or None)."""
+    with resume.open_resume_point(stored_checkpoints(run_dir)) as start:
+        if start.error is not None:
+            return start.error, None
+        if start.directory is None:
+            return None, None
+        if start.warning is not None and trainer.env.rank == 0:
+            print(start.warning, file=sys.stderr, flush=True)
+        try:
+            trainer.restore(start.directory)
+        except checkpoint.CheckpointError as exc:  # naming the stored files, not copies
+            return str(exc).replace(str(start.directory), start.name), None
+        return None, start.warning
 
 
 def write_end(run_dir: Any, result: Metrics) -> None:
