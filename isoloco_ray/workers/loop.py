@@ -378,15 +378,19 @@ def steady_tokens_per_s(rounds: int, tokens_per_round: int, train_seconds: float
 
 
 def kill_once_hook(spec: str | None) -> Callable[[int, int], None] | None:
-    """Fault injection for tests: "ROUND:REPLICA:MARKER" SIGKILLs this worker after REPLICA's
-    inner steps in round ROUND (0-based, i.e. mid-round), once: MARKER is created first and
-    disarms the hook for the restarted workers."""
+    """Fault injection for tests and benchmarks/chaos.py: "ROUND:REPLICA:MARKER" SIGKILLs this
+    worker after REPLICA's inner steps in round ROUND (0-based, i.e. mid-round), once: MARKER
+    is created first and disarms it for the restarted workers. Several, comma-separated."""
     if not spec:
         return None
-    round_text, replica_text, marker = spec.split(":", 2)
+    kills = {}
+    for item in spec.split(","):
+        round_text, replica_text, marker = item.split(":", 2)
+        kills[int(round_text), int(replica_text)] = marker
 
     def hook(round_index: int, replica: int) -> None:
-        if (round_index, replica) == (int(round_text), int(replica_text)):
+        marker = kills.get((round_index, replica))
+        if marker is not None:
             try:
                 Path(marker).touch(exist_ok=False)
             except FileExistsError:

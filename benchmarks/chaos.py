@@ -1,0 +1,150 @@
+"""The same worker failures in `restart` and `replica` mode, and a run without failures.
+
+    python benchmarks/chaos.py OUT_DIR [--failures 3] [--rounds 30] [--seed 0] [--json PATH]
+        [--modes restart,replica] [train flags, e.g. --data.path=DIR]
+
+Three runs of one configuration (default: the demo model, R = 4 on 4 workers, H = 10; the demo
+data unless --data.path is given), each a `python -m isoloco_ray.train` process on its own
+local Ray cluster: one without failures, then for each mode the same K worker processes
+SIGKILLed at seeded random times (mid-round: after one replica's inner steps of a round drawn
+from the middle of the run, at least 3 rounds apart). Printed as a table; with --json the
+figures of each mode:
+
+- `failures_injected`, `failures_survived` (kills that happened in a run that then completed),
+  `run_completed`, `final_eval_loss`, `failure_free_eval_loss`, `wall_seconds`;
+- `survivor_stall_seconds`, one per failure: the gap between the progress lines around it, less
+  the run's median gap between rounds (what the failure cost those who went on);
+- `rounds_recomputed`: rounds that reported more than once (restart mode runs the rounds since
+  its last checkpoint again; replica mode none, no survivor redoes an inner step).
+
+Not done: `--nodes` (removing a node of a `ray.cluster_utils.Cluster`, as node_loss.py does for
+restart mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROUND_LINE = re.compile(r"^round +(\d+)/")
+# Every command gets a bound: a hang costs minutes, not the session.
+RUN_TIMEOUT_S = 1800
+
+
+def plan_failures(count: int, rounds: int, replicas: int, seed: int) -> list[tuple[int, int]]:
+    """`count` (round, replica) kills: rounds (0-based) from the middle of the run, at least 3
+    apart (a replacement is back before the next), replicas uniform; fixed by `seed`."""
+    rng = random.Random(seed)
+    candidates = list(range(2, rounds - 3))
+    for _ in range(1000):
+        chosen = sorted(rng.sample(candidates, count))
+        if all(b - a >= 3 for a, b in zip(chosen, chosen[1:])):
+            return [(r, rng.randrange(replicas)) for r in chosen]
+    raise SystemExit(f"cannot place {count} failures 3 rounds apart in {rounds} rounds")
+
+
+def run(name: str, flags: list[str], out: Path, kills: list[tuple[int, int]]) -> dict[str, Any]:
+    """One training process; its exit status, progress lines (arrival time, round), kill times
+    and summary."""
+    markers = [out / f"{name}-killed-{i}" for i in range(len(kills))]
+    env = dict(os.environ)
+    if kills:
+        env["ISOLOCO_RAY_KILL_AT"] = ",".join(f"{r}:{p}:{m}" for (r, p), m in zip(kills, markers))
+    command = [sys.executable, "-m", "isoloco_ray.train", *flags, f"--run.name={name}",
+               f"--run.storage_path={out}"]
+    print("$", " ".join(command), flush=True)
+    started = time.time()
+    lines: list[tuple[float, int]] = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            print(f"  {line}", end="", flush=True)
+            match = ROUND_LINE.match(line)
+            if match:
+                lines.append((time.time(), int(match.group(1))))
+            if time.time() - started > RUN_TIMEOUT_S:
+                process.kill()
+        status = process.wait()
+    summary_path = out / name / "summary.json"
+    return {"status": status, "wall_seconds": time.time() - started, "lines": lines,
+            "kill_times": [m.stat().st_mtime for m in markers if m.exists()],
+            "summary": json.loads(summary_path.read_text()) if summary_path.exists() else {}}
+
+
+def figures(result: dict[str, Any], mode: str, injected: int,
+            failure_free_loss: float | None) -> dict[str, Any]:
+    """The figures of one mode's run (the module's docstring)."""
+    times = [t for t, _ in result["lines"]]
+    gaps = [b - a for a, b in zip(times[1:], times[2:])]  # after round 1 (data streams start)
+    typical = statistics.median(gaps) if gaps else 0.0
+    stalls = []
+    for killed in result["kill_times"]:
+        before = max((t for t in times if t <= killed), default=None)
+        after = min((t for t in times if t > killed), default=None)
+        if before is not None and after is not None:
+            stalls.append(round(after - before - typical, 2))
+    seen: set[int] = set()
+    recomputed = 0
+    for _, round_index in result["lines"]:
+        recomputed += round_index in seen and round_index > 0
+        seen.add(round_index)
+    completed = result["status"] == 0
+    return {"mode": mode, "failures_injected": injected,
+            "failures_survived": len(result["kill_times"]) if completed else 0,
+            "run_completed": completed,
+            "final_eval_loss": result["summary"].get("final_eval_loss"),
+            "failure_free_eval_loss": failure_free_loss,
+            "survivor_stall_seconds": stalls, "rounds_recomputed": recomputed,
+            "wall_seconds": round(result["wall_seconds"], 1),
+            "median_round_seconds": round(typical, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--failures", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--modes", default="restart,replica")
+    args, train_flags = parser.parse_known_args()
+    replicas = 4
+    flags = ["--model.preset=demo", f"--scaling.replicas={replicas}",
+             "--scaling.replicas_per_worker=1", "--scaling.cpus_per_worker=1",
+             "--inner.steps=10", f"--run.rounds={args.rounds}", "--run.checkpoint_every=5",
+             "--run.eval_every=10", "--run.max_failures=10", "--run.num_cpus=6", *train_flags]
+    args.out.mkdir(parents=True, exist_ok=True)
+    kills = plan_failures(args.failures, args.rounds, replicas, args.seed)
+    print(f"failures (round, replica), 0-based: {kills}", flush=True)
+    free = run("failure-free", flags + ["--scaling.fault_tolerance=restart"], args.out, [])
+    free_loss = free["summary"].get("final_eval_loss")
+    rows = [figures(free, "none", 0, free_loss)]
+    for mode in args.modes.split(","):
+        result = run(mode, flags + [f"--scaling.fault_tolerance={mode}"], args.out, kills)
+        rows.append(figures(result, mode, len(kills), free_loss))
+    print(f"\n{'mode':<8} {'done':>5} {'failures':>9} {'eval loss':>10} {'Δ vs free':>10} "
+          f"{'rounds again':>13} {'stall s (each)':>22} {'wall s':>8}")
+    for row in rows:
+        loss = row["final_eval_loss"]
+        delta = "" if loss is None or free_loss is None else f"{loss - free_loss:+.4f}"
+        print(f"{row['mode']:<8} {str(row['run_completed']):>5} "
+              f"{row['failures_survived']:>4}/{row['failures_injected']:<4} "
+              f"{'' if loss is None else f'{loss:.4f}':>10} {delta:>10} "
+              f"{row['rounds_recomputed']:>13} {str(row['survivor_stall_seconds']):>22} "
+              f"{row['wall_seconds']:>8}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"failures": kills, "runs": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
