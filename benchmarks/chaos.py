@@ -1,14 +1,17 @@
 """The same worker failures in `restart` and `replica` mode, and a run without failures.
 
     python benchmarks/chaos.py OUT_DIR [--failures 3] [--rounds 30] [--seed 0] [--json PATH]
-        [--modes restart,replica] [train flags, e.g. --data.path=DIR]
+        [--modes restart,replica] [--nodes] [train flags, e.g. --data.path=DIR]
 
 Three runs of one configuration (default: the demo model, R = 4 on 4 workers, H = 10; the demo
 data unless --data.path is given), each a `python -m isoloco_ray.train` process on its own
 local Ray cluster: one without failures, then for each mode the same K worker processes
 SIGKILLed at seeded random times (mid-round: after one replica's inner steps of a round drawn
-from the middle of the run, at least 3 rounds apart). Printed as a table; with --json the
-figures of each mode:
+from the middle of the run, at least 3 rounds apart). With --nodes each run has a
+`ray.cluster_utils.Cluster` of its own instead (a head of 1 CPU for the driver, the lighthouse
+and Ray Data; a node of 1 CPU per worker and a spare one), and a failure removes the node of a
+worker (drawn by the seed) while that round runs, a new node joining at once. Printed as a
+table; with --json the figures of each mode:
 
 - `failures_injected`, `failures_survived` (kills that happened in a run that then completed),
   `run_completed`, `final_eval_loss`, `failure_free_eval_loss`, `wall_seconds`;
@@ -16,9 +19,6 @@ figures of each mode:
   the run's median gap between rounds (what the failure cost those who went on);
 - `rounds_recomputed`: rounds that reported more than once (restart mode runs the rounds since
   its last checkpoint again; replica mode none, no survivor redoes an inner step).
-
-Not done: `--nodes` (removing a node of a `ray.cluster_utils.Cluster`, as node_loss.py does for
-restart mode).
 """
 
 from __future__ import annotations
@@ -81,6 +81,83 @@ def run(name: str, flags: list[str], out: Path, kills: list[tuple[int, int]]) ->
             "summary": json.loads(summary_path.read_text()) if summary_path.exists() else {}}
 
 
+def run_on_nodes(name: str, flags: list[str], out: Path, kills: list[tuple[int, int]]
+                 ) -> dict[str, Any]:
+    """`run` with node removals instead of kills, on a cluster of its own: this script again,
+    in a process of its own (`--one-run-on-nodes`), which prints the result as JSON."""
+    command = [sys.executable, __file__, str(out), "--one-run-on-nodes", name,
+               "--kills", json.dumps(kills), *flags]
+    print("$", " ".join(command), flush=True)
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=RUN_TIMEOUT_S)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def one_run_on_nodes(name: str, flags: list[str], out: Path, kills: list[tuple[int, int]],
+                     seed: int) -> None:
+    """The body of `run_on_nodes`: train in this process on a simulated multi-node cluster,
+    removing a worker's node while each round of `kills` runs (the node is drawn by `seed`
+    among those with a worker; the replica part is not used) and adding a fresh node at once.
+    Prints the result as one JSON line."""
+    import threading
+
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
+
+    from isoloco_ray import train
+    from isoloco_ray.testing import exit_after
+
+    exit_after(RUN_TIMEOUT_S)
+    workers = next(int(f.split("=")[1]) for f in reversed(flags)
+                   if f.startswith("--scaling.replicas="))  # one replica per worker here
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(workers + 1)]
+    cluster.wait_for_nodes()
+    for key, value in train.LOCAL_TRAIN_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ["RAY_ADDRESS"] = cluster.address
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "3")
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    argv = [f for f in flags if not f.startswith("--run.num_cpus")]  # the cluster's own
+    argv += [f"--run.name={name}", f"--run.storage_path={out}"]
+    status: list[int] = []
+    started = time.time()
+    runner = threading.Thread(target=lambda: status.append(train.main(argv)))
+    runner.start()
+    metrics = out / name / "metrics.jsonl"
+    lines: list[tuple[float, int]] = []
+    kill_times: list[float] = []
+    rng = random.Random(seed)
+    pending = sorted(r for r, _ in kills)
+    while runner.is_alive():
+        records = metrics.read_text().splitlines() if metrics.exists() else []
+        for record in records[len(lines):]:
+            lines.append((time.time(), json.loads(record)["round"]))
+            # Round r (0-based) runs once the round before it has reported.
+            if pending and lines[-1][1] == pending[0]:
+                pending.pop(0)
+                hosting = {actor.node_id for actor in list_actors(
+                    filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])}
+                candidates = [node for node in nodes if node.node_id in hosting]
+                if candidates:
+                    time.sleep(1.0)  # into the round's inner steps
+                    lost = rng.choice(candidates)
+                    cluster.remove_node(lost)
+                    nodes.remove(lost)
+                    kill_times.append(time.time())
+                    nodes.append(cluster.add_node(num_cpus=1))
+        time.sleep(0.2)
+    runner.join()
+    summary_path = out / name / "summary.json"
+    print(json.dumps({"status": status[0] if status else None,
+                      "wall_seconds": time.time() - started, "lines": lines,
+                      "kill_times": kill_times,
+                      "summary": json.loads(summary_path.read_text())
+                      if summary_path.exists() else {}}), flush=True)
+    ray.shutdown()
+    cluster.shutdown()
+
+
 def figures(result: dict[str, Any], mode: str, injected: int,
             failure_free_loss: float | None) -> dict[str, Any]:
     """The figures of one mode's run (the module's docstring)."""
@@ -117,7 +194,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--modes", default="restart,replica")
+    parser.add_argument("--nodes", action="store_true", help="remove nodes, not processes")
+    parser.add_argument("--one-run-on-nodes", help=argparse.SUPPRESS)  # run_on_nodes' child
+    parser.add_argument("--kills", help=argparse.SUPPRESS)
     args, train_flags = parser.parse_known_args()
+    if args.one_run_on_nodes:
+        one_run_on_nodes(args.one_run_on_nodes, train_flags, args.out,
+                         [tuple(k) for k in json.loads(args.kills)], args.seed)
+        return
     replicas = 4
     flags = ["--model.preset=demo", f"--scaling.replicas={replicas}",
              "--scaling.replicas_per_worker=1", "--scaling.cpus_per_worker=1",
@@ -126,11 +210,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     kills = plan_failures(args.failures, args.rounds, replicas, args.seed)
     print(f"failures (round, replica), 0-based: {kills}", flush=True)
-    free = run("failure-free", flags + ["--scaling.fault_tolerance=restart"], args.out, [])
+    runner = run_on_nodes if args.nodes else run
+    free = runner("failure-free", flags + ["--scaling.fault_tolerance=restart"], args.out, [])
     free_loss = free["summary"].get("final_eval_loss")
     rows = [figures(free, "none", 0, free_loss)]
     for mode in args.modes.split(","):
-        result = run(mode, flags + [f"--scaling.fault_tolerance={mode}"], args.out, kills)
+        result = runner(mode, flags + [f"--scaling.fault_tolerance={mode}"], args.out, kills)
         rows.append(figures(result, mode, len(kills), free_loss))
     print(f"\n{'mode':<8} {'done':>5} {'failures':>9} {'eval loss':>10} {'Δ vs free':>10} "
           f"{'rounds again':>13} {'stall s (each)':>22} {'wall s':>8}")

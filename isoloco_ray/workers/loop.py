@@ -127,7 +127,7 @@ class Trainer:
         self.train_seconds = self.first_round_seconds = 0.0
         self.bytes_total = 0
         self.bad_rounds = 0
-        self.joined = False  # with a quorum seat: whether `join` ran
+        self.joined = False
         self.eval_set = eval_sequences(split_files(data_dir, "valid"), cfg.data.seq_len,
                                        cfg.run.eval_tokens)
         if env.restore_from is not None:
