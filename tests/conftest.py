@@ -26,6 +26,9 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION", "0")
+# torchft's Rust side logs every quorum at INFO straight to the process's stderr, past pytest's
+# capture; warnings and errors still show. Read when torchft is first imported.
+os.environ.setdefault("RUST_LOG", "warn")
 
 
 def _free_loopback_port() -> int:

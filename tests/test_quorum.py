@@ -15,10 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-# torchft's Rust side logs every quorum at INFO straight to the process's stderr, past
-# pytest's capture; warnings and errors still show.
-os.environ.setdefault("RUST_LOG", "warn")
-pytest.importorskip("torchft")
+pytest.importorskip("torchft")  # RUST_LOG: tests/conftest.py
 
 from torchft._torchft import LighthouseServer  # noqa: E402
 
@@ -472,21 +469,13 @@ def test_trainers_merging_every_replica_over_a_quorum_end_as_one_process_hosting
     """TSV (a merge of every Δ_r) on 3 seated Trainers: each worker's 2 Δ_r travel through
     the quorum and every worker merges all 6 in replica order, so each ends, bit for bit,
     where one process hosting all 6 replicas (restart mode's layout V = 6) ends."""
-    from isoloco_ray.workers import checkpoint
     from isoloco_ray.workers.local import run_local
 
     cfg = trainer_config(2, "--outer.strategy=tsv")
-    trainers = [seated_trainer(cfg, small_dataset, rank, lighthouse) for rank in range(3)]
-    try:
-        in_threads(*[trainer.run for trainer in trainers], timeout=120)
-    finally:
-        for trainer in trainers:
-            trainer.env.seat.shutdown()
     alone = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(
         update={"replicas_per_worker": 6})})
     expected = run_local(alone, small_dataset)[0]["model_sha256"]
-    for trainer in trainers:
-        assert checkpoint.parameters_sha256(trainer.global_params) == expected, trainer.env.rank
+    assert seated_run(cfg, small_dataset, lighthouse) == [expected] * 3
 
 
 def test_a_replica_run_without_failures_is_the_restart_run_of_its_layout(lighthouse,
@@ -494,16 +483,21 @@ def test_a_replica_run_without_failures_is_the_restart_run_of_its_layout(lightho
     """isoloco on 3 seated Trainers, nobody lost, against restart mode's 3 gloo processes
     (its route for a spectral merge: each rank's sum to the tensor's owner, added in rank
     order, as the quorum adds them): the same parameters, bit for bit."""
-    from isoloco_ray.workers import checkpoint
     from isoloco_ray.workers.local import run_local
 
     cfg = trainer_config(2, "--outer.strategy=isoloco")
-    trainers = [seated_trainer(cfg, small_dataset, rank, lighthouse) for rank in range(3)]
+    restart = run_local(cfg, small_dataset)[0]["model_sha256"]
+    assert seated_run(cfg, small_dataset, lighthouse) == [restart] * 3
+
+
+def seated_run(cfg, data_dir, lighthouse: str) -> list[str]:
+    """Each worker's final parameters' sha256 after 3 seated Trainers ran `cfg`, nobody lost."""
+    from isoloco_ray.workers import checkpoint
+
+    trainers = [seated_trainer(cfg, data_dir, rank, lighthouse) for rank in range(3)]
     try:
         in_threads(*[trainer.run for trainer in trainers], timeout=120)
     finally:
         for trainer in trainers:
             trainer.env.seat.shutdown()
-    restart = run_local(cfg, small_dataset)[0]["model_sha256"]
-    for trainer in trainers:
-        assert checkpoint.parameters_sha256(trainer.global_params) == restart, trainer.env.rank
+    return [checkpoint.parameters_sha256(trainer.global_params) for trainer in trainers]
