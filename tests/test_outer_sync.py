@@ -31,7 +31,7 @@ VARIANTS = {
     "dare": [], "dare_disjoint": ["--outer.strategy=dare", "--outer.disjoint=true"],
 }
 # bfloat16 transport where it casts something: a mean merge sends sums to owners (sharded);
-# with replicated it would all-reduce float32 sums (refused: config.py), a per-replica
+# with replicated it would all-reduce float32 sums (refused: config/train_config.py), a per-replica
 # merge (tsv) sends every Δ_r in bfloat16 either way.
 BF16_RUNS = (("diloco", "sharded"), ("tsv", "sharded"), ("tsv", "replicated"))
 DIVERGED = (1, 5)  # (round, replica): a NaN pseudo-gradient the step must leave out

@@ -1,24 +1,16 @@
-"""Every user-facing setting of a training run, validated with pydantic.
-
-`TrainConfig` is what `python -m isoloco_ray.train` builds from its defaults, an optional YAML
-file and `--section.field=value` flags. Fields left at `None` are filled from presets after
-validation (model size from `model.preset`; learning rates, momentum and merge options from the
-outer strategy's paper values in the registry, isoloco_ray/strategies.py), so a resolved config
-has no `None` left where a number is needed and is what checkpoints and summaries record.
-"""
+"""The sections of a run's settings (model, data, scaling, inner, outer, W&B, run), each
+validated on its own, and the model presets."""
 
 from __future__ import annotations
 
 import math
 import os
 import re
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, OuterMerge, option_strategies
-from isoloco_ray.workers.outer.route import Route
+from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, option_strategies
 
 ModelPreset = Literal["tiny", "demo", "178M", "512M"]
 Strategy = Literal[tuple(STRATEGIES)]  # type: ignore[valid-type]
@@ -64,12 +56,12 @@ def path_text(value: Any) -> Any:
     return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     # inf/nan in any float setting would train a NaN model: refused where it is read.
     model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The Llama to train: a preset, optionally with explicit sizes overriding it."""
 
     preset: ModelPreset = Field("demo", description="size preset: tiny, demo (~3M), 178M, 512M")
@@ -100,7 +92,7 @@ class ModelConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """The token data: a prepared directory (meta.json + parquet shards) and batch shapes."""
 
     path: str | None = Field(
@@ -126,7 +118,7 @@ class DataConfig(_Section):
         return self
 
 
-class ScalingConfig(_Section):
+class ScalingConfig(Section):
     """How replicas map onto Ray Train workers (docs/design.md, "Layout")."""
 
     replicas: int = Field(4, gt=0, description="R, the number of DiLoCo replicas")
@@ -239,7 +231,7 @@ class ScalingConfig(_Section):
         return max(1, math.floor(self.worker_cpus))
 
 
-class InnerConfig(_Section):
+class InnerConfig(Section):
     """Each replica's local AdamW (docs/strategies.md, "Notation")."""
 
     lr: float | None = Field(None, gt=0, description="peak inner lr (default: the strategy's "
@@ -262,7 +254,7 @@ class InnerConfig(_Section):
         return betas
 
 
-class OuterConfig(_Section):
+class OuterConfig(Section):
     """The outer step: which merge, and its optimizer (docs/strategies.md)."""
 
     strategy: Strategy = Field(
@@ -335,7 +327,7 @@ class OuterConfig(_Section):
         return self.model_copy(update={"placement": "replicated"})
 
 
-class WandbConfig(_Section):
+class WandbConfig(Section):
     """Optional Weights & Biases logging (needs `pip install 'isoloco_ray[wandb]'`)."""
 
     project: str | None = Field(None, description="W&B project; setting it turns logging on "
@@ -358,7 +350,7 @@ class WandbConfig(_Section):
         return self
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """Length, evaluation, naming and storage of the run."""
 
     name: str | None = Field(None, description="run name (default: strategy-R-timestamp); "
@@ -392,405 +384,3 @@ class RunConfig(_Section):
     num_cpus: int | None = Field(None, gt=0, description="logical CPUs of a local Ray cluster "
                                  "(default: 2x the cores, at least 4)")
     wandb: WandbConfig = WandbConfig()
-
-
-class TrainConfig(_Section):
-    """A whole training run."""
-
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    scaling: ScalingConfig = ScalingConfig()
-    inner: InnerConfig = InnerConfig()
-    outer: OuterConfig = OuterConfig()
-    run: RunConfig = RunConfig()
-
-    @model_validator(mode="after")
-    def _resolve(self) -> TrainConfig:
-        spec = STRATEGIES[self.outer.strategy]
-        preset = spec.paper
-        for option, strategies in OPTION_STRATEGIES.items():
-            value = getattr(self.outer, option)
-            # The preset's own value is allowed, so a resolved config round-trips (adamw_ddp
-            # fills lr/momentum/nesterov with inert values).
-            if (value is not None and self.outer.strategy not in strategies
-                    and value != preset.get(option)):
-                raise ValueError(
-                    f"outer.{option} does not apply to outer.strategy "
-                    f"'{self.outer.strategy}' (only to {', '.join(strategies)}); remove it")
-        for option, (only, instead) in spec.fixed.items():
-            value = getattr(self.outer, option)
-            if value is not None and value != only:
-                raise ValueError(f"outer.{option} must be {only!r} for outer.strategy "
-                                 f"'{spec.name}' (got {value!r}): {instead}")
-        self._check_streaming()
-        if self.inner.lr is None:
-            self.inner.lr = preset["inner_lr"]
-        if self.inner.weight_decay is None:
-            self.inner.weight_decay = spec.inner_weight_decay
-        for key, value in preset.items():
-            if key != "inner_lr" and getattr(self.outer, key) is None:
-                setattr(self.outer, key, value)
-        if self.outer.nesterov and not self.outer.momentum:
-            raise ValueError("outer.nesterov needs outer.momentum > 0; set --outer.momentum "
-                             "or --outer.nesterov=false")
-        self._check_outer_effective()
-        self._check_fault_tolerance()
-        if self.outer.strategy == "tsv" and self.outer.keep_fraction is None:
-            self.outer.keep_fraction = 1.0 / self.scaling.replicas
-        if self.run.token_budget is not None:
-            rounds = self.run.token_budget // self.tokens_per_round
-            # A resolved config carries both; only a disagreement is the user's error.
-            if self.run.rounds is not None and self.run.rounds != rounds:
-                raise ValueError("set run.rounds or run.token_budget, not both")
-            self.run.rounds = rounds
-            if rounds < 1:
-                raise ValueError(
-                    f"run.token_budget ({self.run.token_budget}) is less than one outer round "
-                    f"({self.tokens_per_round} tokens = batch_size x seq_len x inner.steps x "
-                    "replicas)")
-        elif self.run.rounds is None:
-            self.run.rounds = 12
-        # A replica spread over G workers gives each batch_size / G rows of every batch.
-        rows = self.data.batch_size // self.scaling.workers_per_replica
-        if self.data.micro_batch_size > rows > 0:
-            self.data.micro_batch_size = rows
-        uneven = self.data.batch_size % self.scaling.workers_per_replica
-        if uneven or rows % self.data.micro_batch_size:
-            raise ValueError(
-                f"data.batch_size ({self.data.batch_size}) must split evenly over "
-                f"scaling.workers_per_replica ({self.scaling.workers_per_replica}) workers into "
-                f"whole micro-batches of data.micro_batch_size ({self.data.micro_batch_size}); "
-                "e.g. set --data.micro_batch_size=1")
-        if self.data.seq_len > self.model.max_seq_len:
-            raise ValueError(
-                f"data.seq_len ({self.data.seq_len}) exceeds the model's context "
-                f"model.max_seq_len ({self.model.max_seq_len}); lower data.seq_len or raise "
-                f"model.max_seq_len")
-        return self
-
-    def _check_outer_effective(self) -> None:
-        """Refuse outer settings that would be accepted and change nothing under the others
-        (checked on resolved values: a value equal to the harmless one, as a resolved config
-        holds, passes)."""
-        outer, preset = self.outer, STRATEGIES[self.outer.strategy].paper
-        if outer.strategy == "adamw_ddp":
-            inert = [f"outer.{name}={getattr(outer, name)}" for name, harmless in
-                     (("comm_dtype", "float32"), ("topk", None), ("placement", "sharded"))
-                     if getattr(outer, name) != harmless]
-            if inert:
-                raise ValueError(f"{_have_no_effect(inert)} with adamw_ddp (it has no outer "
-                                 "sync: its gradients are all-reduced in float32 every inner "
-                                 f"step); remove {'it' if len(inert) == 1 else 'them'}")
-            return
-        if outer.lr == 0:
-            raise ValueError("outer.lr = 0 never moves the global model; set outer.lr > 0, or "
-                             "leave it unset for the strategy's value")
-        wire = WIRE_FORMATS[outer.comm_dtype]
-        route = Route.choose(outer, OuterMerge.of(outer))
-        if not wire.lossless and route.sums and route.everyone_merges:  # all-reduced in float32
-            raise ValueError(f"outer.comm_dtype={wire.name} has no effect with "
-                             f"outer.placement=replicated and outer.strategy "
-                             f"'{outer.strategy}': every worker merges the all-reduced float32 "
-                             "sum of the pseudo-gradients, so nothing is cast; use placement "
-                             f"sharded or rank0 to send {wire.name}, or comm_dtype float32")
-        if outer.sparsity == 0:
-            inert = [f"outer.{name}={getattr(outer, name)}"
-                     for name in ("prune", "prune_dim", "rescale")
-                     if getattr(outer, name) != preset.get(name)]
-            if inert:
-                raise ValueError(f"{_have_no_effect(inert)} with outer.sparsity=0 (every "
-                                 "entry is kept); set outer.sparsity > 0 or remove "
-                                 f"{'it' if len(inert) == 1 else 'them'}")
-
-    def _check_fault_tolerance(self) -> None:
-        """What `scaling.fault_tolerance: replica` runs so far: every DiLoCo strategy's outer
-        step over a quorum in float32, without streaming, on CPUs."""
-        if self.scaling.fault_tolerance != "replica":
-            return
-        if self.run.max_failures == 0:
-            raise ValueError(
-                "scaling.fault_tolerance: replica replaces a lost worker as one Ray Train "
-                "failure: set run.max_failures >= 1 (or -1, unlimited)")
-        outer, unsupported = self.outer, []
-        if outer.placement == "rank0":
-            raise ValueError("outer.placement=rank0 has no effect with scaling.fault_tolerance: "
-                             "replica (every worker merges the quorum's sum: rank 0 may be "
-                             "gone); remove it")
-        if outer.strategy == "adamw_ddp":
-            unsupported.append("outer.strategy adamw_ddp (it all-reduces every inner step)")
-        else:
-            if outer.comm_dtype != "float32" or outer.topk is not None:
-                unsupported.append("a compressed outer sync (outer.comm_dtype, outer.topk)")
-        if outer.streaming:
-            unsupported.append("outer.fragments, outer.delay or outer.mix")
-        if self.scaling.use_gpu:
-            unsupported.append("scaling.use_gpu")
-        if unsupported:
-            raise ValueError(
-                f"scaling.fault_tolerance: replica does not run {'; '.join(unsupported)} yet "
-                "(it runs every outer strategy but adamw_ddp, in float32, on CPUs: "
-                "docs/fault_tolerance.md); set --scaling.fault_tolerance=restart")
-
-    def _check_streaming(self) -> None:
-        outer, steps = self.outer, self.inner.steps
-        if outer.streaming and outer.strategy == "adamw_ddp":
-            raise ValueError("outer.fragments, outer.delay and outer.mix shape the outer sync, "
-                             "and adamw_ddp has none: leave them at 1, 0 and 0")
-        if steps % outer.fragments:
-            raise ValueError(f"outer.fragments ({outer.fragments}) must divide inner.steps "
-                             f"({steps}): fragment p syncs p·inner.steps/fragments steps after "
-                             "fragment 0")
-        if outer.delay >= steps // outer.fragments:
-            raise ValueError(f"outer.delay ({outer.delay}) must be less than inner.steps / "
-                             f"outer.fragments ({steps // outer.fragments}): a fragment's "
-                             "update must land before the next fragment's sync starts")
-        if outer.delay > 0 and self.scaling.use_gpu and self.scaling.workers_per_replica > 1:
-            raise ValueError(
-                f"outer.delay ({outer.delay}) > 0 with scaling.workers_per_replica "
-                f"({self.scaling.workers_per_replica}) > 1 on GPUs: the replica's per-step "
-                "gradient all-reduce and the background outer sync would drive two NCCL "
-                "communicators from two threads at once, which NCCL does not order (a hang); "
-                "set outer.delay=0 or scaling.workers_per_replica=1")
-        if outer.fragments > self.model.num_layers:
-            raise ValueError(f"outer.fragments ({outer.fragments}) exceeds model.num_layers "
-                             f"({self.model.num_layers}): a fragment is whole layers")
-
-    @property
-    def tokens_per_round(self) -> int:
-        """Training tokens consumed by all replicas in one outer round."""
-        return (self.data.batch_size * self.data.seq_len * self.inner.steps
-                * self.scaling.replicas)
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading: defaults < YAML file < --section.field=value flags.
-
-
-def _have_no_effect(settings: list[str]) -> str:
-    """'a has no effect', 'a, b have no effect'."""
-    return f"{', '.join(settings)} {'has' if len(settings) == 1 else 'have'} no effect"
-
-
-class ConfigError(ValueError):
-    """A configuration the run cannot use; its message names the field and the fix."""
-
-
-def format_validation_error(error: Any) -> str:
-    """One line per problem: `section.field: what is wrong`."""
-    lines = []
-    for item in error.errors():
-        location = ".".join(str(part) for part in item["loc"])
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            message = "unknown field; see --help for the fields of each section"
-        elif item["type"] == "finite_number":
-            message = f"must be a finite number (got {item.get('input')!r})"
-        elif item["type"] in ("literal_error", "enum"):
-            message = f"{message} (got {item.get('input')!r})"
-        lines.append(message if not location or message.startswith(location)
-                     else f"{location}: {message}")
-    return "\n".join(lines)
-
-
-def read_yaml_config(path: Path) -> dict[str, Any]:
-    """The mapping in a YAML config file (sections as in TrainConfig)."""
-    import yaml
-
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        raise ConfigError(f"config file {path} is not UTF-8 text (line {line}, byte "
-                          f"{exc.start}); save it as UTF-8") from None
-    try:
-        loaded = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections "
-                          "(model:, data:, scaling:, inner:, outer:, run:)")
-    return loaded
-
-
-def merge_nested(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """`base` updated by `override`, section by section (override wins)."""
-    merged = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_nested(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def build_config(values: dict[str, Any]) -> TrainConfig:
-    """Validate `values` into a TrainConfig, raising ConfigError with readable lines."""
-    from pydantic import ValidationError
-
-    try:
-        return TrainConfig.model_validate(values)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
-
-
-# What the command line accepts for "unset" in an optional field: YAML's null and Python's None,
-# in any case. pydantic-settings takes one spelling (cli_parse_none_str); the others are mapped
-# to it before parsing.
-NULL_SPELLINGS = ("null", "none")
-CLI_NONE = "None"
-
-# The --help description; shown as written (pydantic-settings keeps its line breaks).
-CLI_DESCRIPTION = """\
-Every field can also be set in a YAML file given as the first argument; the
-command line wins.
-
-Optional fields (those that may be left unset: a preset's, the strategy's or the
-data's value, or off) are unset again with null, None or none, as `field: null`
-does in YAML: e.g. --inner.clip=null (no clipping), --outer.lr=null (the
-strategy's paper value). The other fields always take a value."""
-
-
-def parse_cli_overrides(args: list[str], prog: str) -> dict[str, Any]:
-    """`--section.field=value` flags as a nested dict of the fields given, unvalidated.
-
-    Parsed by pydantic-settings' CLI: `--help` prints every field with its default and
-    description and exits; an unknown flag exits with status 2 and argparse's message. An
-    optional field takes null, None or none (any case) for "unset" (`_unset_spellings`).
-    """
-    from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict
-    from pydantic_settings.exceptions import SettingsError
-
-    class CommandLine(TrainConfig, BaseSettings):
-        model_config = SettingsConfigDict(cli_prog_name=prog, cli_avoid_json=True,
-                                          cli_parse_none_str=CLI_NONE, cli_hide_none_type=True,
-                                          cli_exit_on_error=False)
-
-    CommandLine.__doc__ = CLI_DESCRIPTION  # the --help description
-    try:
-        return CliSettingsSource(CommandLine, cli_parse_args=_unset_spellings(args))()
-    except SettingsError as exc:
-        raise ConfigError(_explain_cli_error(str(exc))) from None
-
-
-def _unset_spellings(args: list[str]) -> list[str]:
-    """`args` with every spelling of "unset" (NULL_SPELLINGS, any case) given to an optional
-    field turned into the one pydantic-settings parses (CLI_NONE), in both the `--f=value` and
-    the `--f value` form. The same word given to a field that always has a value is a
-    ConfigError naming the field (rather than a type error about the word)."""
-    optional = set(optional_field_paths(TrainConfig))
-    known = set(field_paths(TrainConfig))
-    out = list(args)
-    for i, arg in enumerate(args):
-        if not arg.startswith("--"):
-            continue
-        flag, eq, value = arg.partition("=")
-        at = i
-        if not eq:
-            if i + 1 >= len(args) or args[i + 1].startswith("--"):
-                continue
-            at, value = i + 1, args[i + 1]
-        path = flag[2:]
-        if value.lower() not in NULL_SPELLINGS or path not in known:
-            continue
-        if path not in optional:
-            raise ConfigError(f"{path}: cannot be unset ({value!r}); it always takes a value, "
-                              "see --help")
-        out[at] = f"{flag}={CLI_NONE}" if eq else CLI_NONE
-    return out
-
-
-def _explain_cli_error(message: str) -> str:
-    """argparse's complaint, with the closest real flag suggested for a misspelt one."""
-    import difflib
-    import re
-
-    unknown = re.search(r"unrecognized arguments: (\S+)", message)
-    if not unknown:
-        return message.removeprefix("error parsing CLI: ")
-    flag = unknown.group(1).split("=", 1)[0]
-    known = [f"--{path}" for path in field_paths(TrainConfig)]
-    close = difflib.get_close_matches(flag, known, n=1)
-    hint = f"; did you mean {close[0]}?" if close else "; see --help for every field"
-    return f"{flag}: unknown option{hint}"
-
-
-def field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Dotted paths of every leaf field of `model` (sections and sub-sections walked)."""
-    paths = []
-    for name, spec in model.model_fields.items():
-        if isinstance(spec.annotation, type) and issubclass(spec.annotation, BaseModel):
-            paths += field_paths(spec.annotation, f"{prefix}{name}.")
-        else:
-            paths.append(f"{prefix}{name}")
-    return paths
-
-
-def optional_field_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Dotted paths of the leaf fields of `model` that accept None (their "unset" value)."""
-    import types
-    import typing
-
-    paths = []
-    for name, spec in model.model_fields.items():
-        if isinstance(spec.annotation, type) and issubclass(spec.annotation, BaseModel):
-            paths += optional_field_paths(spec.annotation, f"{prefix}{name}.")
-        elif (typing.get_origin(spec.annotation) in (typing.Union, types.UnionType)
-              and type(None) in typing.get_args(spec.annotation)):
-            paths.append(f"{prefix}{name}")
-    return paths
-
-
-def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested sections as dotted paths: {"inner": {"lr": 1}} -> {"inner.lr": 1}."""
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """Dotted paths as nested sections: {"inner.lr": 1} -> {"inner": {"lr": 1}}."""
-    nested: dict[str, Any] = {}
-    for path, value in flat.items():
-        *sections, name = path.split(".")
-        node = nested
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[name] = value
-    return nested
-
-
-def load_config(args: list[str], prog: str = "python -m isoloco_ray.train") -> TrainConfig:
-    """The TrainConfig of a command line `[CONFIG.yaml] [--section.field=value ...]`."""
-    values: dict[str, Any] = {}
-    if args and not args[0].startswith("-"):
-        values = read_yaml_config(Path(args[0]))
-        args = args[1:]
-    return build_config(merge_nested(values, parse_cli_overrides(args, prog)))
-
-
-# What a resumed run must share with the run that wrote its checkpoint: these define the math.
-RESUME_MUST_MATCH = ("model", "data", "scaling", "inner", "outer")
-# Within those, what a resumed run may change: it moves work between workers, not the math.
-RESUME_MAY_CHANGE = ("outer.placement",)
-
-
-def config_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:
-    """Fields (`section.field`) in which a saved resolved config differs from `current` and
-    that a resumed run must not change."""
-    now = current.model_dump(mode="json")
-    # A setting added since the checkpoint was written is missing from it: the run had its
-    # default then.
-    defaults = TrainConfig.model_construct().model_dump(mode="json")
-    differing = [f"{section}.{key}" for section in RESUME_MUST_MATCH for key in now[section]
-                 if saved.get(section, {}).get(key, defaults[section].get(key))
-                 != now[section][key]
-                 and f"{section}.{key}" not in RESUME_MAY_CHANGE]
-    return differing + [f"run.{key}" for key in ("rounds", "seed")
-                        if saved.get("run", {}).get(key) != now["run"][key]]
