@@ -15,6 +15,7 @@ from test_tune import TUNE_CONFIGS, write_grid
 from isoloco_ray import tune
 from isoloco_ray.config import check_name
 from isoloco_ray.grid import build_trials, load_grid_file, trial_name
+from isoloco_ray.grids.console import progress_printer
 
 
 def strict_json(path: Path) -> object:
@@ -223,7 +224,7 @@ def test_trial_summary_and_progress_are_strict_about_non_finite_losses(tmp_path,
     class Trial:
         config = {"trial": {"name": trial.name}}
         last_result = result
-    tune._progress_printer().on_trial_complete(0, [], Trial())
+    progress_printer().on_trial_complete(0, [], Trial())
     assert capsys.readouterr().out == (f"{trial.name}: diverged, final eval loss not a "
                                        f"finite number, {result['seconds']:.0f}s\n")
 

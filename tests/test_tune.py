@@ -14,6 +14,7 @@ import yaml
 from isoloco_ray import tune
 from isoloco_ray.config import TrainConfig, load_config
 from isoloco_ray.grid import build_trials, load_grid_file
+from isoloco_ray.grids import plan as plan_module
 
 TUNE_CONFIGS = Path(__file__).resolve().parent.parent / "tune_configs"
 
@@ -152,13 +153,13 @@ def test_real_grid_runs_trials_records_a_failure_and_resumes(ray_cluster, small_
     # concurrent trial slows the others on 2 cores; test_report checks the ranking.)
     broken = tmp_path / "broken"
     shutil.copytree(small_dataset, broken)
-    validate = tune.validate_against_data
+    validate = plan_module.validate_against_data
 
     def validate_then_break(trials, *args):
         validate(trials, *args)
         for shard in (broken / "train").glob("*.parquet"):
             shard.unlink()
-    monkeypatch.setattr(tune, "validate_against_data", validate_then_break)
+    monkeypatch.setattr(plan_module, "validate_against_data", validate_then_break)
     wandb_installed = importlib.util.find_spec("wandb") is not None
     base_extra = {}
     if wandb_installed:
@@ -201,7 +202,7 @@ def test_real_grid_runs_trials_records_a_failure_and_resumes(ray_cluster, small_
     # The same grid again is refused, and so is resuming it with other settings; --resume
     # keeps finished and failed trials (the data is back, and validated again): nothing is
     # left to run (test_grid_safety runs an unfinished trial on resume).
-    monkeypatch.setattr(tune, "validate_against_data", validate)
+    monkeypatch.setattr(plan_module, "validate_against_data", validate)
     shutil.copytree(small_dataset / "train", broken / "train", dirs_exist_ok=True)
     assert tune.main([str(path)]) == 2
     assert "already holds a grid; continue it with --resume" in capsys.readouterr().err

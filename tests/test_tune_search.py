@@ -17,6 +17,7 @@ from test_tune import TUNE_CONFIGS, write_grid
 from isoloco_ray import tune
 from isoloco_ray.config import ConfigError, check_name
 from isoloco_ray.grid import load_grid_file
+from isoloco_ray.grids import search as grid_search
 
 pytest.importorskip("optuna")
 
@@ -35,7 +36,8 @@ def search_grid(tmp_path: Path, data_dir: Path, samples: int = 3, seed: int = 0,
 def proposals(path: Path, *args: str) -> list[tuple[str, dict[str, Any]]]:
     """(name, overrides) of the first proposals of each point, as a fresh run makes them."""
     plan = tune.plan_grid(path, list(args))
-    return [(t.name, t.overrides) for t in tune.first_proposals(plan, plan.search.spec.samples)]
+    return [(t.name, t.overrides)
+            for t in grid_search.first_proposals(plan, plan.search.spec.samples)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ def test_searcher_records_each_proposal_and_resume_keeps_what_ran(tmp_path, smal
     plan.grid_dir.mkdir(parents=True)
     searcher = tune.make_searcher(plan, state, manifest)
     first = [searcher.suggest(f"tune-{i}")["trial"] for i in range(3)]
-    expected = {t.index: t for t in tune.first_proposals(plan, 3)}
+    expected = {t.index: t for t in grid_search.first_proposals(plan, 3)}
     assert [t["name"] for t in first] == [expected[index].name for index in (0, 3, 1)]
     expected = {t.name: t for t in expected.values()}
     for trial in first:
@@ -288,7 +290,7 @@ def test_resume_refuses_a_tampered_or_changed_search(tmp_path, small_dataset, ca
                                            ("interrupted", (None, "pruned"))])
 def test_search_outcome_reads_the_run_files(tmp_path, outcome, told):
     write_run(tmp_path / "run", outcome)
-    assert tune.search_outcome(tmp_path / "run", "final_eval_loss") == told
+    assert grid_search.search_outcome(tmp_path / "run", "final_eval_loss") == told
 
 
 def test_a_proposal_that_is_not_a_valid_config_is_recorded_as_failed(tmp_path, small_dataset,
