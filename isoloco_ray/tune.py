@@ -1,12 +1,12 @@
 """`python -m isoloco_ray.tune GRID.yaml [--section.field=value ...]`: a grid of runs on Ray Tune.
 
-Every trial of the grid file (isoloco_ray.grid) is validated, with its data, before Ray starts.
+Every trial of the grid file (isoloco_ray.grids) is validated, with its data, before Ray starts.
 Then a Tune function trainable builds one TorchTrainer per trial (the Ray Train V2 pattern:
 `Tuner(trainer)` no longer works), its per-round metrics flow to Tune through
 `TuneReportCallback`, trials run at once as far as the cluster fits them, and a failed trial
-is recorded without stopping the others. With a `scheduler:` (isoloco_ray.grid.SchedulerSpec)
+is recorded without stopping the others. With a `scheduler:` (grids.spec.SchedulerSpec)
 Tune's ASHA or median stopping rule ends trials that fall behind, on the rounds that report
-its metric (make_scheduler). With a `search:` (isoloco_ray.grid.SearchSpec) each trial is a
+its metric (make_scheduler). With a `search:` (grids.spec.SearchSpec) each trial is a
 point that one seeded Optuna searcher per point varies `samples` times (make_searcher), each
 proposal added to grid.json as it is made. At the end (and after `--resume` of an
 interrupted grid) the results table, eval-loss plot and best config are written
@@ -39,9 +39,6 @@ from typing import Any
 
 from isoloco_ray import strict_json
 from isoloco_ray.config import ConfigError
-from isoloco_ray.report import (GRID_FILE, STOPPED_FILE, RunRecord,
-                                print_report, write_report)
-from isoloco_ray.storage import check_writable
 from isoloco_ray.data.format import DataError
 from isoloco_ray.grids.cluster import start_cluster
 from isoloco_ray.grids.console import print_plan, progress_printer, quiet_tune
@@ -50,6 +47,8 @@ from isoloco_ray.grids.resume import TUNE_DIR, new_experiment_name, read_manifes
 from isoloco_ray.grids.scheduler import describe_scheduler, make_scheduler
 from isoloco_ray.grids.search import SearchState, make_searcher, search_of, search_state
 from isoloco_ray.grids.trainable import run_trial, trial_name, trial_space
+from isoloco_ray.report import GRID_FILE, STOPPED_FILE, RunRecord, print_report, write_report
+from isoloco_ray.storage import check_writable
 
 
 def run_grid(plan: GridPlan, max_concurrent: int | None, resume: bool) -> int:

@@ -14,7 +14,8 @@ from test_tune import TUNE_CONFIGS, write_grid
 
 from isoloco_ray import tune
 from isoloco_ray.config import check_name
-from isoloco_ray.grid import build_trials, load_grid_file, trial_name
+from isoloco_ray.grids.expand import build_trials, trial_name
+from isoloco_ray.grids.spec import load_grid_file
 from isoloco_ray.grids.console import progress_printer
 
 

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from isoloco_ray import tune
-from isoloco_ray.grid import GridFile, build_trials
+from isoloco_ray.grids.expand import build_trials
+from isoloco_ray.grids.spec import GridFile
 
 MAIN_SWEEP = """\
 name: main 178M

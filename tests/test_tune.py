@@ -13,7 +13,8 @@ import yaml
 
 from isoloco_ray import tune
 from isoloco_ray.config import TrainConfig, load_config
-from isoloco_ray.grid import build_trials, load_grid_file
+from isoloco_ray.grids.expand import build_trials
+from isoloco_ray.grids.spec import load_grid_file
 from isoloco_ray.grids import plan as plan_module
 
 TUNE_CONFIGS = Path(__file__).resolve().parent.parent / "tune_configs"

@@ -16,7 +16,8 @@ from test_grid_safety import started_grid, strict_json
 from test_tune import TUNE_CONFIGS, write_grid
 
 from isoloco_ray import tune
-from isoloco_ray.grid import SchedulerSpec, build_trials, check_scheduler, load_grid_file
+from isoloco_ray.grids.expand import build_trials, check_scheduler
+from isoloco_ray.grids.spec import SchedulerSpec, load_grid_file
 
 CONTINUE, STOP = "CONTINUE", "STOP"
 

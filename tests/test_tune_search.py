@@ -16,7 +16,7 @@ from test_tune import TUNE_CONFIGS, write_grid
 
 from isoloco_ray import tune
 from isoloco_ray.config import ConfigError, check_name
-from isoloco_ray.grid import load_grid_file
+from isoloco_ray.grids.spec import load_grid_file
 from isoloco_ray.grids import search as grid_search
 
 pytest.importorskip("optuna")

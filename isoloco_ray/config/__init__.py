@@ -11,16 +11,40 @@ check each other and are resolved), loading.py the YAML and command-line loading
 `ConfigError`, resume.py what a resume may change. The names below are the package's API.
 """
 
-from isoloco_ray.config.loading import (CLI_DESCRIPTION, CLI_NONE, NULL_SPELLINGS, ConfigError,
-                                        build_config, field_paths, flatten,
-                                        format_validation_error, load_config, merge_nested, nest,
-                                        optional_field_paths, parse_cli_overrides,
-                                        read_yaml_config)
+from isoloco_ray.config.loading import (
+                                        CLI_DESCRIPTION,
+                                        CLI_NONE,
+                                        NULL_SPELLINGS,
+                                        ConfigError,
+                                        build_config,
+                                        field_paths,
+                                        flatten,
+                                        format_validation_error,
+                                        load_config,
+                                        merge_nested,
+                                        nest,
+                                        optional_field_paths,
+                                        parse_cli_overrides,
+                                        read_yaml_config,
+)
 from isoloco_ray.config.resume import RESUME_MAY_CHANGE, RESUME_MUST_MATCH, config_differences
-from isoloco_ray.config.schema import (MODEL_PRESETS, NAME_MAX_LEN, NAME_PATTERN,
-                                       OPTION_STRATEGIES, DataConfig, InnerConfig, ModelConfig,
-                                       ModelPreset, OuterConfig, RunConfig, ScalingConfig,
-                                       Strategy, WandbConfig, check_name, path_text)
+from isoloco_ray.config.schema import (
+                                        MODEL_PRESETS,
+                                        NAME_MAX_LEN,
+                                        NAME_PATTERN,
+                                        OPTION_STRATEGIES,
+                                        DataConfig,
+                                        InnerConfig,
+                                        ModelConfig,
+                                        ModelPreset,
+                                        OuterConfig,
+                                        RunConfig,
+                                        ScalingConfig,
+                                        Strategy,
+                                        WandbConfig,
+                                        check_name,
+                                        path_text,
+)
 from isoloco_ray.config.train_config import TrainConfig
 
 __all__ = ["CLI_DESCRIPTION", "CLI_NONE", "MODEL_PRESETS", "NAME_MAX_LEN", "NAME_PATTERN",

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
-from isoloco_ray.config.schema import (OPTION_STRATEGIES, DataConfig, InnerConfig,
-                                       ModelConfig, OuterConfig, RunConfig, ScalingConfig,
-                                       Section)
+from isoloco_ray.config.schema import (
+    OPTION_STRATEGIES,
+    DataConfig,
+    InnerConfig,
+    ModelConfig,
+    OuterConfig,
+    RunConfig,
+    ScalingConfig,
+    Section,
+)
 from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, OuterMerge
 from isoloco_ray.workers.outer.route import Route
 

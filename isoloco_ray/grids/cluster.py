@@ -9,7 +9,6 @@ import sys
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.grids.plan import GridPlan
 
-
 # Logical CPUs a trial needs beyond its driver and workers: Ray Data's read tasks.
 DATA_CPUS = 1.0
 

@@ -10,12 +10,12 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from isoloco_ray.grid import (Trial, describe)
-from isoloco_ray.report import (ERROR_FILE, STOPPED_FILE, finite, last_error_line)
+from isoloco_ray.grids.expand import Trial, describe
 from isoloco_ray.grids.plan import GridPlan
 from isoloco_ray.grids.scheduler import describe_scheduler
 from isoloco_ray.grids.search import STARTUP_TRIALS, first_proposals
 from isoloco_ray.grids.trainable import trial_name, trial_run_dir
+from isoloco_ray.report import ERROR_FILE, STOPPED_FILE, finite, last_error_line
 
 
 def print_plan(plan: GridPlan) -> None:

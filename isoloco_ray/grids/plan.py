@@ -8,10 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from isoloco_ray.config import ConfigError, check_name, parse_cli_overrides
-from isoloco_ray.grid import (GridFile, Search, Trial, build_trials,
-                              check_scheduler, check_search, grid_directory,
-                              load_grid_file, make_search, validate_against_data)
-
+from isoloco_ray.grids.expand import (
+    Search,
+    Trial,
+    build_trials,
+    check_scheduler,
+    check_search,
+    grid_directory,
+    make_search,
+    validate_against_data,
+)
+from isoloco_ray.grids.spec import GridFile, load_grid_file
 
 PROG = "python -m isoloco_ray.tune"
 

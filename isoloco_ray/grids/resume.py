@@ -9,11 +9,10 @@ from typing import Any
 
 from isoloco_ray import strict_json
 from isoloco_ray.config import ConfigError
-from isoloco_ray.grid import (Trial)
-from isoloco_ray.report import (ERROR_FILE, GRID_FILE, STOPPED_FILE)
+from isoloco_ray.grids.expand import Trial
 from isoloco_ray.grids.plan import GridPlan
 from isoloco_ray.grids.trainable import SUMMARY_FILE
-
+from isoloco_ray.report import ERROR_FILE, GRID_FILE, STOPPED_FILE
 
 TUNE_DIR = "tune"  # Tune's experiment inside the grid directory (a resume's: tune-resume-<n>)
 

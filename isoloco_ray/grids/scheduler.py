@@ -7,9 +7,9 @@ import math
 from typing import Any
 
 from isoloco_ray import strict_json
-from isoloco_ray.grid import (SchedulerSpec)
-from isoloco_ray.report import (STOPPED_FILE, finite)
+from isoloco_ray.grids.spec import SchedulerSpec
 from isoloco_ray.grids.trainable import trial_run_dir
+from isoloco_ray.report import STOPPED_FILE, finite
 
 
 def describe_scheduler(spec: SchedulerSpec) -> str:

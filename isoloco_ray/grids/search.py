@@ -9,12 +9,11 @@ from typing import Any
 
 from isoloco_ray import strict_json
 from isoloco_ray.config import ConfigError
-from isoloco_ray.grid import (Search, Trial)
-from isoloco_ray.report import (ERROR_FILE, GRID_FILE, RUNS_DIR, finite, last_error_line, load_run)
+from isoloco_ray.grids.expand import Search, Trial
 from isoloco_ray.grids.plan import GridPlan, trial_entry
 from isoloco_ray.grids.resume import run_is_over
 from isoloco_ray.grids.trainable import trial_space
-
+from isoloco_ray.report import ERROR_FILE, GRID_FILE, RUNS_DIR, finite, last_error_line, load_run
 
 # Proposals of each grid point's searcher drawn at random (seeded) before TPE models the
 # results (Optuna's default, named so that --dry-run can say which proposals are fixed).

@@ -9,13 +9,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray import run_files
-from isoloco_ray import strict_json
+from isoloco_ray import run_files, strict_json
 from isoloco_ray.config import TrainConfig
-from isoloco_ray.grid import (Trial)
-from isoloco_ray.report import (ERROR_FILE)
+from isoloco_ray.grids.expand import Trial
+from isoloco_ray.report import ERROR_FILE
 from isoloco_ray.storage import hold_run, location, run_directory
-
 
 SUMMARY_FILE = run_files.SUMMARY
 
