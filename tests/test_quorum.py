@@ -251,15 +251,23 @@ def test_the_outer_step_over_a_quorum_is_the_plain_step_over_its_contributors(li
         optimizer.apply(theta, {name: optimizer.update(name, g)
                                 for name, g in directions.items()})
 
+    lose_a_worker_after_round_1(outer, lighthouse, theta, plain_step)
+
+
+def lose_a_worker_after_round_1(outer, lighthouse: str, theta: dict[str, torch.Tensor],
+                                reference: Callable[[int, list[int], list[int]], None]) -> None:
+    """3 Peers: round 1 with replica 3 diverged, then worker 2 leaves and round 2 runs on the
+    other two. `reference(round, contributing workers, good replicas)` takes the expected step
+    on `theta`, which both survivors must then hold bit for bit."""
     peers = [Peer(rank, outer, lighthouse) for rank in range(3)]
     try:
         results = in_threads(*[lambda p=p: p.step(1, {3}) for p in peers])
-        assert all(result.good == [0, 1, 2, 4, 5] for result in results)
-        plain_step(1, [0, 1, 2], [0, 1, 2, 4, 5])
+        assert all(r.good == [0, 1, 2, 4, 5] and r.contributors == [0, 1, 2] for r in results)
+        reference(1, [0, 1, 2], [0, 1, 2, 4, 5])
         peers[2].seat.shutdown()
         results = in_threads(*[lambda p=p: p.step(2, set()) for p in peers[:2]])
-        assert all(result.contributors == [0, 1] for result in results)
-        plain_step(2, [0, 1], [0, 1, 2, 3])
+        assert all(r.good == [0, 1, 2, 3] and r.contributors == [0, 1] for r in results)
+        reference(2, [0, 1], [0, 1, 2, 3])
         for peer in peers[:2]:
             for name in SHAPES:
                 assert torch.equal(peer.theta[name], theta[name]), (peer.rank, name)
@@ -281,21 +289,12 @@ def test_a_per_replica_merge_over_a_quorum_is_the_step_without_the_missing_repli
     outer = load_config([*args, "--outer.lr=0.7", "--scaling.replicas=6"]).outer.quorum_outer()
     reference, theta = OuterSync(outer, REPLICAS, seed=0), seeded(0)
     assert not reference.route.sums
-    peers = [Peer(rank, outer, lighthouse) for rank in range(3)]
-    try:
-        results = in_threads(*[lambda p=p: p.step(1, {3}) for p in peers])
-        assert all(result.good == [0, 1, 2, 4, 5] for result in results)
-        reference.step(theta, {r: seeded(100 + r) for r in range(6)}, 1, diverged={3})
-        peers[2].seat.shutdown()
-        results = in_threads(*[lambda p=p: p.step(2, set()) for p in peers[:2]])
-        assert all(result.good == [0, 1, 2, 3] for result in results)
-        reference.step(theta, {r: seeded(200 + r) for r in range(6)}, 2, diverged={4, 5})
-        for peer in peers[:2]:
-            for name in SHAPES:
-                assert torch.equal(peer.theta[name], theta[name]), (peer.rank, name)
-    finally:
-        for peer in peers:
-            peer.seat.shutdown()
+
+    def one_process_step(round_index: int, workers: list[int], good: list[int]) -> None:
+        reference.step(theta, {r: seeded(100 * round_index + r) for r in range(REPLICAS)},
+                       round_index, diverged=set(range(REPLICAS)) - set(good))
+
+    lose_a_worker_after_round_1(outer, lighthouse, theta, one_process_step)
 
 
 def test_the_quorum_step_refuses_a_route_it_cannot_run():
