@@ -79,3 +79,25 @@ def test_a_worker_that_outlives_the_runs_result_is_made_to_exit(tmp_path):
     with EndWatch(tmp_path, grace=10, poll=0.05, exit=exited.set):
         time.sleep(0.2)  # the result is there; this worker ends within the grace
     assert not exited.is_set()
+
+
+def test_the_summary_counts_worker_losses_once_per_loss_and_a_resume_does_not_double_them():
+    """summary.json's replica-mode figures from metrics.jsonl: a worker missing after taking
+    part is one loss (its healing round, also without it, is not another); rounds repeated
+    by a resume count once, from their last record; the round-0 join is not a round."""
+    from isoloco_ray.fault_tolerance import quorum_summary
+    from isoloco_ray.train import format_progress
+
+    def line(round_index, contributors, wait=0.1):
+        return json.dumps({"round": round_index, "contributors": contributors,
+                           "missing_workers": [w for w in range(3) if w not in contributors],
+                           "quorum_wait_seconds": wait})
+
+    every = [0, 1, 2]
+    lines = [line(0, []), line(1, every), line(2, [0, 2], wait=5.0), line(3, [0, 2]),
+             line(4, every), line(5, [0, 1]), line(4, every), line(5, [0, 1]),  # resumed
+             line(6, every)]
+    assert quorum_summary(lines) == {"worker_losses": 2, "rounds_with_missing_workers": 3,
+                                     "max_quorum_wait_seconds": 5.0}
+    assert "without workers [1]" in format_progress(json.loads(lines[2]), 6)
+    assert "without workers" not in format_progress(json.loads(lines[1]), 6)
