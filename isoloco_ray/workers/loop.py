@@ -171,9 +171,11 @@ class Trainer:
             self.runner.save(directory)
         if not self.layout.saves_replicas:
             return  # the replica's first worker saves what all its workers hold alike
-        # With a seat every worker's outer rank is 0 (it syncs through the quorum instead).
-        if ((self.outer.rank == 0 and (self.env.seat is None or writer))
-                or not self.outer.route.everyone_merges):
+        # A seated worker's outer group is itself alone: the writer saves the momentum (every
+        # worker holds all of it); otherwise rank 0 when every rank holds it all, else each
+        # owner its share.
+        if (writer if self.env.seat is not None
+                else self.outer.rank == 0 or not self.outer.route.everyone_merges):
             checkpoint.save_outer_momentum(directory, self.outer.rank,
                                            self.outer.state_dict()["buffers"])
         for replica in self.replicas:

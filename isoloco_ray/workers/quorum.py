@@ -95,10 +95,8 @@ class QuorumSeat:
                  lighthouse_addr: str,
                  state_dict: Callable[[], dict[str, Any]],
                  load_state_dict: Callable[[dict[str, Any]], None], *,
-                 min_workers: int, host: str = "127.0.0.1",
-                 timeout: timedelta = timedelta(seconds=30),
-                 quorum_timeout: timedelta = timedelta(seconds=600),
-                 max_attempts: int = 5,
+                 min_workers: int, timeout: timedelta, quorum_timeout: timedelta,
+                 host: str = "127.0.0.1", max_attempts: int = 5,
                  fingerprint: Callable[[], str] | None = None) -> None:
         from torch.distributed import TCPStore
         from torchft.checkpointing.pg_transport import PGTransport

@@ -39,9 +39,9 @@ from urllib.parse import urlsplit
 
 from isoloco_ray import run_files, storage, strict_json
 from isoloco_ray.config import TrainConfig
-from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.data.format import DatasetMeta
 from isoloco_ray.fault_tolerance import min_quorum
+from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.export import ExportError, export_model
 from isoloco_ray.workers.loop import Trainer, WorkerEnv
@@ -55,11 +55,12 @@ from isoloco_ray.workers.round_metrics import Metrics
 END_GRACE_S = 60.0
 END_POLL_S = 1.0
 
-def seated_trainer(cfg: TrainConfig, data_dir: Path, env: WorkerEnv, lighthouse: str,
-                   host: str = "127.0.0.1", timeout: timedelta = timedelta(seconds=30),
-                   quorum_timeout: timedelta = timedelta(seconds=600)) -> Trainer:
+def seated_trainer(cfg: TrainConfig, data_dir: Path, env: WorkerEnv, lighthouse: str, *,
+                   timeout: timedelta, quorum_timeout: timedelta,
+                   host: str = "127.0.0.1") -> Trainer:
     """Worker `env.rank`'s Trainer with a quorum seat (env.seat is replaced) through which a
-    peer that fell behind is healed: the seat's state callbacks are this Trainer's."""
+    peer that fell behind is healed: the seat's state callbacks are this Trainer's. The
+    timeouts are the run's (fault_tolerance.timeouts)."""
     holder: dict[str, Trainer] = {}
     numel = parameters_of(cfg.model, DatasetMeta.load(data_dir).vocab_size)
     if not Route.choose(cfg.outer.quorum_outer(), OuterMerge.of(cfg.outer)).sums:
@@ -186,9 +187,9 @@ def train_replica_worker(cfg: TrainConfig, data_dir: Path, run_dir: Any, env: Wo
     env = replace(env, report=QuorumReports(env.rank, run_dir, progress,
                                             cfg.run.keep_checkpoints))
     host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-    trainer = seated_trainer(cfg, data_dir, env, lighthouse_address(loopback), host,
-                             timedelta(seconds=timeouts["collective"]),
-                             timedelta(seconds=timeouts["quorum"]))
+    trainer = seated_trainer(cfg, data_dir, env, lighthouse_address(loopback),
+                             timeout=timedelta(seconds=timeouts["collective"]),
+                             quorum_timeout=timedelta(seconds=timeouts["quorum"]), host=host)
     assert trainer.env.seat is not None
     warning = None
     try:
