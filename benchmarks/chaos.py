@@ -31,6 +31,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,15 +67,17 @@ def run(name: str, flags: list[str], out: Path, kills: list[tuple[int, int]]) ->
     lines: list[tuple[float, int]] = []
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=env) as process:
+        # Killed after RUN_TIMEOUT_S even when it prints nothing more (a hang).
+        bound = threading.Timer(RUN_TIMEOUT_S, process.kill)
+        bound.start()
         assert process.stdout is not None
         for line in process.stdout:
             print(f"  {line}", end="", flush=True)
             match = ROUND_LINE.match(line)
             if match:
                 lines.append((time.time(), int(match.group(1))))
-            if time.time() - started > RUN_TIMEOUT_S:
-                process.kill()
         status = process.wait()
+        bound.cancel()
     summary_path = out / name / "summary.json"
     return {"status": status, "wall_seconds": time.time() - started, "lines": lines,
             "kill_times": [m.stat().st_mtime for m in markers if m.exists()],
@@ -98,8 +101,6 @@ def one_run_on_nodes(name: str, flags: list[str], out: Path, kills: list[tuple[i
     removing a worker's node while each round of `kills` runs (the node is drawn by `seed`
     among those with a worker; the replica part is not used) and adding a fresh node at once.
     Prints the result as one JSON line."""
-    import threading
-
     import ray
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
