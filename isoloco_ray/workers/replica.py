@@ -195,12 +195,10 @@ class Replica:
         batches from the start leave it (a function of the count: ReplicaStream.
         position_after), so it reads what it would have read; nothing else of the past is
         kept (error-feedback residual)."""
-        self.take_global(global_params, list(self.params))
-        self.optimizer.state.clear()
+        self.reset(global_params)
         schedule_at(self.optimizer, self.schedule, steps_done)
         self.stream.seek(self.stream.position_after(steps_done))
         self.feedback = {}
-        self.losses_finite = True
 
     def state_dict(self) -> dict[str, Any]:
         """AdamW state, LR schedule, stream position, error-feedback residual (if any) and,
