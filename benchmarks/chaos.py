@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from isoloco_ray import run_files
+
 ROUND_LINE = re.compile(r"^round +(\d+)/")
 # Every command gets a bound: a hang costs minutes, not the session.
 RUN_TIMEOUT_S = 1800
@@ -78,7 +80,7 @@ def run(name: str, flags: list[str], out: Path, kills: list[tuple[int, int]]) ->
                 lines.append((time.time(), int(match.group(1))))
         status = process.wait()
         bound.cancel()
-    summary_path = out / name / "summary.json"
+    summary_path = out / name / run_files.SUMMARY
     return {"status": status, "wall_seconds": time.time() - started, "lines": lines,
             "kill_times": [m.stat().st_mtime for m in markers if m.exists()],
             "summary": json.loads(summary_path.read_text()) if summary_path.exists() else {}}
@@ -125,7 +127,7 @@ def one_run_on_nodes(name: str, flags: list[str], out: Path, kills: list[tuple[i
     started = time.time()
     runner = threading.Thread(target=lambda: status.append(train.main(argv)))
     runner.start()
-    metrics = out / name / "metrics.jsonl"
+    metrics = out / name / run_files.METRICS
     lines: list[tuple[float, int]] = []
     kill_times: list[float] = []
     rng = random.Random(seed)
@@ -149,7 +151,7 @@ def one_run_on_nodes(name: str, flags: list[str], out: Path, kills: list[tuple[i
                     nodes.append(cluster.add_node(num_cpus=1))
         time.sleep(0.2)
     runner.join()
-    summary_path = out / name / "summary.json"
+    summary_path = out / name / run_files.SUMMARY
     print(json.dumps({"status": status[0] if status else None,
                       "wall_seconds": time.time() - started, "lines": lines,
                       "kill_times": kill_times,

@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from isoloco_ray import run_files
+
 # Ray Train decides a restart's size from a view of the cluster that may still hold the lost
 # node, then waits this long for its placement group before it looks again (60 s by default;
 # placing a group on this machine's nodes takes milliseconds). Read by Ray Train when it starts.
@@ -103,7 +105,7 @@ def main() -> None:
     runner = threading.Thread(target=lambda: status.append(train.main(argv)))
     started = time.monotonic()
     runner.start()
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / run_files.METRICS
 
     def reports() -> list[dict]:
         return [json.loads(line) for line in metrics.read_text().splitlines()] \
@@ -146,8 +148,8 @@ def main() -> None:
             "workers_after": sum(after.values()), "placement_before": before,
             "placement_after": after})
     runner.join()
-    summary = json.loads((run_dir / "summary.json").read_text()) \
-        if (run_dir / "summary.json").exists() else None
+    summary = json.loads((run_dir / run_files.SUMMARY).read_text()) \
+        if (run_dir / run_files.SUMMARY).exists() else None
     print(json.dumps({"status": status[0] if status else None,
                       "seconds": time.monotonic() - started, "changes": results,
                       "summary": summary}))

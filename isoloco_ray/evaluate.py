@@ -29,17 +29,19 @@ from typing import Any
 
 from upath import UPath
 
-from isoloco_ray import run_files
-from isoloco_ray import strict_json
-from isoloco_ray.config import (ConfigError, DataConfig, RunConfig, TrainConfig,
-                                format_validation_error)
+from isoloco_ray import run_files, strict_json
+from isoloco_ray.config import (
+    ConfigError,
+    DataConfig,
+    RunConfig,
+    TrainConfig,
+    format_validation_error,
+)
 from isoloco_ray.data.format import META_FILE, DataError, DatasetMeta, split_files
 from isoloco_ray.storage import local_copy, location
 
 PROG = "python -m isoloco_ray.evaluate"
-# A run directory's files (run_files.py); a model directory also holds a config.json, its
-# Hugging Face config.
-MODEL_DIR, RUN_CONFIG, SUMMARY = run_files.MODEL_DIR, run_files.CONFIG, run_files.SUMMARY
+# A model directory holds a config.json too (its Hugging Face config, not run_files.CONFIG).
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -101,21 +103,24 @@ def find_target(path: Path) -> Target:
     if not path.is_dir():
         raise UsageError(f"{where} is not a directory; give a run directory (runs/NAME) or a "
                          "model directory (runs/NAME/model)")
-    if (path / MODEL_DIR).is_dir() and (path / RUN_CONFIG).is_file():
+    if (path / run_files.MODEL_DIR).is_dir() and (path / run_files.CONFIG).is_file():
         config = _run_config(path)
-        summary = _read_json(path / SUMMARY) if (path / SUMMARY).is_file() else None
-        return Target(path / MODEL_DIR, path, config, summary)
-    has_config = (path / RUN_CONFIG).is_file()
+        summary_path = path / run_files.SUMMARY
+        summary = _read_json(summary_path) if summary_path.is_file() else None
+        return Target(path / run_files.MODEL_DIR, path, config, summary)
+    has_config = (path / run_files.CONFIG).is_file()
     if has_config and any((path / name).is_file() for name in WEIGHTS):
         return Target(path, None, None, None)
-    if has_config and _is_run_config(path / RUN_CONFIG):
-        raise UsageError(f"{where} is a run without a model yet ({MODEL_DIR}/ is written when "
-                         "the run finishes); finish it first (run the same train command again)")
+    if has_config and _is_run_config(path / run_files.CONFIG):
+        raise UsageError(f"{where} is a run without a model yet ({run_files.MODEL_DIR}/ is written "
+                         "when the run finishes); finish it first (run the same train command "
+                         "again)")
     if any((path / name).is_file() for name in PICKLED_WEIGHTS):
         raise UsageError(f"{where} holds only pickled weights (pytorch_model.bin), which are "
                          "never loaded; save the model with safe_serialization=True")
-    raise UsageError(f"{where} is neither a run directory ({MODEL_DIR}/ and {RUN_CONFIG}) nor a "
-                     f"model directory ({RUN_CONFIG} and {WEIGHTS[0]})")
+    raise UsageError(f"{where} is neither a run directory ({run_files.MODEL_DIR}/ and "
+                     f"{run_files.CONFIG}) nor a "
+                     f"model directory ({run_files.CONFIG} and {WEIGHTS[0]})")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -140,9 +145,9 @@ def _run_config(run_dir: Path) -> TrainConfig:
     from pydantic import ValidationError
 
     try:
-        return TrainConfig.model_validate(_read_json(run_dir / RUN_CONFIG))
+        return TrainConfig.model_validate(_read_json(run_dir / run_files.CONFIG))
     except ValidationError as exc:
-        raise UsageError(f"{run_dir / RUN_CONFIG} is not a valid run configuration: "
+        raise UsageError(f"{run_dir / run_files.CONFIG} is not a valid run configuration: "
                          f"{format_validation_error(exc)}") from None
 
 
@@ -268,7 +273,7 @@ def run_evaluation(target: Target, data: Path | UPath, split: str, tokens: int |
 def record_evaluation(run_dir: Path, evaluation: Evaluation) -> Path:
     """Add `evaluation` to the run's summary.json (under `evaluations`, replacing an earlier
     measurement of the same key), atomically; returns the file's path."""
-    path = run_dir / SUMMARY
+    path = run_dir / run_files.SUMMARY
     summary = _read_json(path)
     evaluations = summary.setdefault("evaluations", {})
     key = evaluation_key(evaluation.data, evaluation.split, evaluation.tokens,
@@ -343,14 +348,16 @@ def main(argv: list[str] | None = None) -> int:
     recorded = (target.summary or {}).get("model_sha256")
     if recorded and recorded != evaluation.model_sha256:
         print(f"warning: {target.model_dir} is not the model the run finished with (its "
-              f"parameters' sha256 differs from {SUMMARY}'s model_sha256)", file=sys.stderr)
+              f"parameters' sha256 differs from {run_files.SUMMARY}'s model_sha256)",
+              file=sys.stderr)
     if target.summary is None:
-        print(f"not recorded: {target.run_dir} has no {SUMMARY} (the run has not finished)")
+        print(f"not recorded: {target.run_dir} has no {run_files.SUMMARY} (the run has not "
+              "finished)")
         return 0
     try:
         path = record_evaluation(target.run_dir, evaluation)
     except (OSError, UsageError) as exc:
-        print(f"error: cannot record the evaluation in {target.run_dir / SUMMARY}: {exc}",
+        print(f"error: cannot record the evaluation in {target.run_dir / run_files.SUMMARY}: {exc}",
               file=sys.stderr)
         return 1
     print(f"recorded in {path} (evaluations)")

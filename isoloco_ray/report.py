@@ -26,14 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray import run_files
-from isoloco_ray import strict_json
+from isoloco_ray import run_files, strict_json
 from isoloco_ray.config import check_name, flatten
 from isoloco_ray.storage import location
 
-GRID_FILE = "grid.json"  # written by isoloco_ray.tune: name, metric, mode, trials
-RUNS_DIR = "runs"  # a grid's run directories
-ERROR_FILE, STOPPED_FILE = run_files.ERROR, run_files.STOPPED
 SUMMARY_METRICS = ("final_eval_loss", "final_eval_perplexity", "tokens_per_s", "seconds",
                    "train_seconds", "outer_bytes_per_round")
 # A finished run with one of these not a finite number (or null) diverged.
@@ -187,10 +183,10 @@ def load_run(run_dir: Path, name: str | None = None,
         run.config = _read_json(run_dir / run_files.CONFIG)
     if (run_dir / run_files.SUMMARY).is_file():
         run.summary = _read_json(run_dir / run_files.SUMMARY)
-    if (run_dir / ERROR_FILE).is_file():
-        run.error = (run_dir / ERROR_FILE).read_text()
-    if (run_dir / STOPPED_FILE).is_file():
-        run.stopped = _read_json(run_dir / STOPPED_FILE)
+    if (run_dir / run_files.ERROR).is_file():
+        run.error = (run_dir / run_files.ERROR).read_text()
+    if (run_dir / run_files.STOPPED).is_file():
+        run.stopped = _read_json(run_dir / run_files.STOPPED)
     run.metrics = read_metrics(run_dir / run_files.METRICS)
     return run
 
@@ -218,14 +214,14 @@ def load_report(directory: Path) -> Report:
     if not directory.is_dir():
         raise ReportError(f"{directory} is a file, not a directory; give the directory that "
                           "holds it (a grid directory, a run directory or a directory of runs)")
-    if (directory / GRID_FILE).is_file():
-        grid = _read_json(directory / GRID_FILE)
+    if (directory / run_files.GRID).is_file():
+        grid = _read_json(directory / run_files.GRID)
         for trial in grid["trials"]:  # each names a directory under runs/, nothing outside
             try:
-                check_name(trial["name"], f"{directory / GRID_FILE}: trial name")
+                check_name(trial["name"], f"{directory / run_files.GRID}: trial name")
             except ValueError as exc:
                 raise ReportError(str(exc)) from None
-        runs = [load_run(directory / RUNS_DIR / t["name"], t["name"], t.get("overrides"))
+        runs = [load_run(directory / run_files.RUNS / t["name"], t["name"], t.get("overrides"))
                 for t in grid["trials"]]
         for run, trial in zip(runs, grid["trials"]):
             run.planned_strategy = trial.get("strategy")
@@ -303,11 +299,11 @@ def markdown_report(report: Report) -> str:
     if failed:
         text += ["", "## Failed", ""]
         text += [f"- `{run.name}`: {last_error_line(run.error or '')} "
-                 f"(`{run.run_dir / ERROR_FILE}`)" for run in failed]
+                 f"(`{run.run_dir / run_files.ERROR}`)" for run in failed]
     stopped = [run for run in report.runs if run.status == "stopped"]
     if stopped:
         text += ["", "## Stopped early", ""]
-        text += [f"- `{run.name}`: {stopped_reason(run)} (`{run.run_dir / STOPPED_FILE}`)"
+        text += [f"- `{run.name}`: {stopped_reason(run)} (`{run.run_dir / run_files.STOPPED}`)"
                  for run in stopped]
     return "\n".join(text) + "\n"
 
@@ -340,7 +336,6 @@ def plot_eval_loss(report: Report, path: Path) -> bool:
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import EngFormatter
 
     # NaN/inf points are left out (matplotlib cannot scale an axis to them); a run with

@@ -12,4 +12,6 @@ ERROR = "error.txt"  # a failed grid trial: the traceback
 STOPPED = "stopped.json"  # a grid trial a scheduler stopped early
 FT_END = "ft_end.json"  # fault_tolerance replica: the run's result (workers/replica_mode.py)
 FT_CHECKPOINT = "ftcheckpoint_{round:06d}"  # ... and its checkpoints, one per checkpoint round
+GRID = "grid.json"  # a grid directory (isoloco_ray.tune): name, metric, mode, trials
+RUNS = "runs"  # ... and its trials' run directories, runs/<trial>/
 LOCK = ".run.lock"  # held while a run of the directory is live (storage.hold_run)

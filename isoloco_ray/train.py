@@ -16,15 +16,23 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray import run_files
-from isoloco_ray import strict_json
-from isoloco_ray.config import (ConfigError, ScalingConfig, TrainConfig, config_differences,
-                                load_config)
+from isoloco_ray import run_files, strict_json
+from isoloco_ray.config import (
+    ConfigError,
+    ScalingConfig,
+    TrainConfig,
+    config_differences,
+    load_config,
+)
 from isoloco_ray.data.checks import epochs, validated_data_dir
 from isoloco_ray.data.format import DataError, DatasetMeta
 from isoloco_ray.elastic import allowed_counts_only, ray_scaling_config
-from isoloco_ray.fault_tolerance import (check_torchft_available, quorum_summary, timeouts,
-                                         torchft_backend)
+from isoloco_ray.fault_tolerance import (
+    check_torchft_available,
+    quorum_summary,
+    timeouts,
+    torchft_backend,
+)
 from isoloco_ray.local_ray import joined_cluster
 from isoloco_ray.storage import check_writable, hold_run
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available

@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray import strict_json
+from isoloco_ray import run_files, strict_json
 from isoloco_ray.config import ConfigError
 from isoloco_ray.data.format import DataError
 from isoloco_ray.grids.cluster import start_cluster
@@ -47,7 +47,7 @@ from isoloco_ray.grids.resume import TUNE_DIR, new_experiment_name, read_manifes
 from isoloco_ray.grids.scheduler import describe_scheduler, make_scheduler
 from isoloco_ray.grids.search import SearchState, make_searcher, search_of, search_state
 from isoloco_ray.grids.trainable import run_trial, trial_name, trial_space
-from isoloco_ray.report import GRID_FILE, STOPPED_FILE, RunRecord, print_report, write_report
+from isoloco_ray.report import RunRecord, print_report, write_report
 from isoloco_ray.storage import check_writable
 
 
@@ -58,7 +58,7 @@ def run_grid(plan: GridPlan, max_concurrent: int | None, resume: bool) -> int:
     a fresh Tune experiment. Returns 0 when every trial finished or was stopped early by the
     scheduler, 1 when any failed, diverged or did not finish, 2 when the grid directory does
     not match the request."""
-    manifest_path = plan.grid_dir / GRID_FILE
+    manifest_path = plan.grid_dir / run_files.GRID
     todo = plan.trials
     state = None
     try:
@@ -107,7 +107,7 @@ def run_trials(plan: GridPlan, max_concurrent: int | None, resume: bool,
     concurrency = start_cluster(plan, max_concurrent, count)
     plan.grid_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
-        (plan.grid_dir / GRID_FILE).write_text(strict_json.dumps(manifest, indent=2))
+        (plan.grid_dir / run_files.GRID).write_text(strict_json.dumps(manifest, indent=2))
     experiment = new_experiment_name(plan.grid_dir)
     print(f"grid {plan.name}: {'resuming ' if resume else ''}{count} trial"
           f"{'s' if count != 1 else ''}, up to {concurrency} at once, in {plan.grid_dir}"
@@ -159,7 +159,7 @@ def grid_status(runs: list[RunRecord]) -> int:
     stopped = sum(run.status == "stopped" for run in runs)
     if stopped:
         print(f"{stopped} of {len(runs)} trials were stopped early by the scheduler "
-              f"({STOPPED_FILE} in their run directories)")
+              f"({run_files.STOPPED} in their run directories)")
     if not counts:
         return 0
     print(f"{sum(counts.values())} of {len(runs)} trials are not done: "

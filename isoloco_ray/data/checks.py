@@ -40,8 +40,15 @@ import pyarrow.parquet as pq
 from isoloco_ray import strict_json
 from isoloco_ray.config import ConfigError, TrainConfig
 from isoloco_ray.data.format import (
-    META_FILE, SPLITS, STAMP_FILE, TOKEN_COLUMN, DataDir, DataError, DatasetMeta,
-    shard_problems, share_of_rows,
+    META_FILE,
+    SPLITS,
+    STAMP_FILE,
+    TOKEN_COLUMN,
+    DataDir,
+    DataError,
+    DatasetMeta,
+    shard_problems,
+    share_of_rows,
 )
 from isoloco_ray.storage import arrow_location, location
 

@@ -32,14 +32,24 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from isoloco_ray import strict_json
-from isoloco_ray.data.encoding import (backend_json, encode_batch, encoder_from_json,
-                                       save_tokenizer, train_bpe_tokenizer)
-from isoloco_ray.data.format import (SPLITS, TOKENIZER_DIR, DataError, DatasetMeta, ShardInfo,
-                                     SplitInfo)
+from isoloco_ray.data.encoding import (
+    backend_json,
+    encode_batch,
+    encoder_from_json,
+    save_tokenizer,
+    train_bpe_tokenizer,
+)
+from isoloco_ray.data.format import (
+    SPLITS,
+    TOKENIZER_DIR,
+    DataError,
+    DatasetMeta,
+    ShardInfo,
+    SplitInfo,
+)
 from isoloco_ray.data.packing import BlockPacker, ShardWriter
 from isoloco_ray.data.sources import TextSource
 from isoloco_ray.data.staging import NOTHING_KEPT, check_replaceable, locked, publish
-
 
 PROGRESS_FILE = "progress.json"
 DEFAULT_SHARD_TOKENS = 1 << 24      # 16 M tokens = 64 MB of int32 per shard

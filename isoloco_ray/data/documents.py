@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-
 from isoloco_ray.data import demo
 from isoloco_ray.data.encoding import save_tokenizer, train_bpe_tokenizer
 from isoloco_ray.data.format import SPLITS, TOKENIZER_DIR, DataError, DatasetMeta, verify

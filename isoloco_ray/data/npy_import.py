@@ -14,8 +14,15 @@ import numpy as np
 
 from isoloco_ray.data.corpus import DEFAULT_SHARD_TOKENS, CorpusSettings, resolve_tokenizer
 from isoloco_ray.data.encoding import save_tokenizer
-from isoloco_ray.data.format import (SPLITS, TOKENIZER_DIR, DataError, DatasetMeta, SplitInfo,
-                                     shard_name, write_blocks)
+from isoloco_ray.data.format import (
+    SPLITS,
+    TOKENIZER_DIR,
+    DataError,
+    DatasetMeta,
+    SplitInfo,
+    shard_name,
+    write_blocks,
+)
 from isoloco_ray.data.sources import TextSource, npy_token_files
 from isoloco_ray.data.staging import NOTHING_KEPT_NPY, locked, staged
 

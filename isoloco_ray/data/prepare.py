@@ -20,10 +20,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-
-from isoloco_ray.data.corpus import (DEFAULT_SHARD_TOKENS, ENGINES, CorpusSettings,
-                                     prepare_corpus)
 from isoloco_ray.data import documents
+from isoloco_ray.data.corpus import DEFAULT_SHARD_TOKENS, ENGINES, CorpusSettings, prepare_corpus
 from isoloco_ray.data.documents import default_demo_dir, is_current_demo, prepare_demo
 from isoloco_ray.data.format import SPLITS, DataError, DatasetMeta, verify
 from isoloco_ray.data.npy_import import prepare_from_npy

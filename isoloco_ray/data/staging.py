@@ -16,7 +16,6 @@ from pathlib import Path
 from isoloco_ray.data.format import META_FILE, DataError, DatasetMeta, unexpected_entries
 from isoloco_ray.file_lock import exclusive
 
-
 # What a failed or interrupted preparation left behind, added to its exception as a note (main
 # prints it after "error: ..." or "interrupted: "). prepare_corpus may keep resumable work
 # instead (_keep_if_resumable).

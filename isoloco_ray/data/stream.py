@@ -27,8 +27,15 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from isoloco_ray.data.format import (DataDir, DataError, DataPath, DatasetMeta, dataset_dir,
-                                     read_blocks, share_of_rows)
+from isoloco_ray.data.format import (
+    DataDir,
+    DataError,
+    DataPath,
+    DatasetMeta,
+    dataset_dir,
+    read_blocks,
+    share_of_rows,
+)
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,13 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from isoloco_ray import run_files
 from isoloco_ray.grids.expand import Trial, describe
 from isoloco_ray.grids.plan import GridPlan
 from isoloco_ray.grids.scheduler import describe_scheduler
 from isoloco_ray.grids.search import STARTUP_TRIALS, first_proposals
 from isoloco_ray.grids.trainable import trial_name, trial_run_dir
-from isoloco_ray.report import ERROR_FILE, STOPPED_FILE, finite, last_error_line
+from isoloco_ray.report import finite, last_error_line
 
 
 def print_plan(plan: GridPlan) -> None:
@@ -92,14 +93,14 @@ def progress_printer() -> Any:
                     outcome = f"done, final eval loss {loss:.4f}"
                 print(f"{trial_name(trial)}: {outcome}, {result.get('seconds', 0.0):.0f}s",
                       flush=True)
-            elif (trial_run_dir(trial) / STOPPED_FILE).is_file():  # the scheduler stopped it
-                marker = json.loads((trial_run_dir(trial) / STOPPED_FILE).read_text())
+            elif (trial_run_dir(trial) / run_files.STOPPED).is_file():  # the scheduler stopped it
+                marker = json.loads((trial_run_dir(trial) / run_files.STOPPED).read_text())
                 print(f"{trial_name(trial)}: stopped early at round {marker['round']} "
                       f"({marker['metric']} {_number(marker['value'])})", flush=True)
 
         def on_trial_error(self, iteration: int, trials: list, trial: Any,
                            **info: Any) -> None:
-            error_file = trial_run_dir(trial) / ERROR_FILE
+            error_file = trial_run_dir(trial) / run_files.ERROR
             error = error_file.read_text() if error_file.is_file() else trial.get_error() or ""
             print(f"{trial_name(trial)}: FAILED: {last_error_line(str(error))}", flush=True)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from isoloco_ray import run_files
 from isoloco_ray.config import (
     NAME_MAX_LEN,
     ConfigError,
@@ -152,7 +153,7 @@ def build_trials(grid_file: GridFile, cli_overrides: dict[str, Any], grid_dir: P
     trials = []
     for index, (overrides, cfg) in enumerate(zip(expanded, configs)):
         name = trial_name(index, width, cfg.outer.strategy, overrides, fields)
-        trials.append(Trial(index, name, overrides, _placed(cfg, name, grid_dir / "runs")))
+        trials.append(Trial(index, name, overrides, _placed(cfg, name, grid_dir / run_files.RUNS)))
     first = trials[0].config.run
     for trial in trials:
         # One W&B group and one Ray cluster (started for trial 0) serve the whole grid.

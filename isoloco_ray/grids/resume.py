@@ -7,12 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray import strict_json
+from isoloco_ray import run_files, strict_json
 from isoloco_ray.config import ConfigError
 from isoloco_ray.grids.expand import Trial
 from isoloco_ray.grids.plan import GridPlan
-from isoloco_ray.grids.trainable import SUMMARY_FILE
-from isoloco_ray.report import ERROR_FILE, GRID_FILE, STOPPED_FILE
 
 TUNE_DIR = "tune"  # Tune's experiment inside the grid directory (a resume's: tune-resume-<n>)
 
@@ -26,7 +24,8 @@ def unfinished_trials(trials: list[Trial]) -> list[Trial]:
 def run_is_over(run_dir: Path) -> bool:
     """Whether a trial's run holds summary.json (finished), error.txt (failed) or
     stopped.json (stopped early by the scheduler, which stays its verdict)."""
-    return any((run_dir / name).is_file() for name in (SUMMARY_FILE, ERROR_FILE, STOPPED_FILE))
+    return any((run_dir / name).is_file()
+               for name in (run_files.SUMMARY, run_files.ERROR, run_files.STOPPED))
 
 
 def new_experiment_name(grid_dir: Path) -> str:
@@ -44,9 +43,10 @@ def new_experiment_name(grid_dir: Path) -> str:
 def read_manifest(plan: GridPlan) -> dict[str, Any]:
     """The stored grid.json of the grid to resume; ConfigError unless it holds the same
     trials as `plan` (same file, same flags; a search: the same search and points)."""
-    path = plan.grid_dir / GRID_FILE
+    path = plan.grid_dir / run_files.GRID
     if not path.is_file():
-        raise ConfigError(f"--resume: {plan.grid_dir} holds no grid to resume (no {GRID_FILE})")
+        raise ConfigError(f"--resume: {plan.grid_dir} holds no grid to resume (no "
+                          f"{run_files.GRID})")
     try:
         stored = json.loads(path.read_text())
         trials = stored["trials"]

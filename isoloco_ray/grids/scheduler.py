@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from isoloco_ray import strict_json
+from isoloco_ray import run_files, strict_json
 from isoloco_ray.grids.spec import SchedulerSpec
 from isoloco_ray.grids.trainable import trial_run_dir
-from isoloco_ray.report import STOPPED_FILE, finite
+from isoloco_ray.report import finite
 
 
 def describe_scheduler(spec: SchedulerSpec) -> str:
@@ -117,7 +117,7 @@ def write_stopped(trial: Any, spec: SchedulerSpec, result: dict[str, Any]) -> No
                and not key.startswith("config/")}
     run_dir = trial_run_dir(trial)
     run_dir.mkdir(parents=True, exist_ok=True)
-    strict_json.write(run_dir / STOPPED_FILE, {
+    strict_json.write(run_dir / run_files.STOPPED, {
         "round": result["round"], "scheduler": spec.name, "metric": spec.metric,
         "value": result[spec.metric], "reason": f"stopped early by {describe_scheduler(spec)}",
         "trial_pid": result.get("pid"), "metrics": metrics}, indent=2)

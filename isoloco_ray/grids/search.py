@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray import strict_json
+from isoloco_ray import run_files, strict_json
 from isoloco_ray.config import ConfigError
 from isoloco_ray.grids.expand import Search, Trial
 from isoloco_ray.grids.plan import GridPlan, trial_entry
 from isoloco_ray.grids.resume import run_is_over
 from isoloco_ray.grids.trainable import trial_space
-from isoloco_ray.report import ERROR_FILE, GRID_FILE, RUNS_DIR, finite, last_error_line, load_run
+from isoloco_ray.report import finite, last_error_line, load_run
 
 # Proposals of each grid point's searcher drawn at random (seeded) before TPE models the
 # results (Optuna's default, named so that --dry-run can say which proposals are fixed).
@@ -121,14 +121,14 @@ def search_state(plan: GridPlan, entries: list[Any]) -> SearchState:
         except (KeyError, TypeError, ValueError, AttributeError):
             valid = False
         if not valid:
-            raise ConfigError(f"--resume: {plan.grid_dir / GRID_FILE}: trials[{index}] is not a "
-                              "trial this grid file proposes; start a new grid (--name)")
+            raise ConfigError(f"--resume: {plan.grid_dir / run_files.GRID}: trials[{index}] is "
+                              "not a trial this grid file proposes; start a new grid (--name)")
         proposals.append(Proposal(point, sample, values, entry["name"]))
     taken = {(p.point, p.sample) for p in proposals}
     if len(taken) < len(proposals):
-        raise ConfigError(f"--resume: {plan.grid_dir / GRID_FILE} lists a trial twice; start a "
-                          "new grid (--name)")
-    over = [p for p in proposals if run_is_over(plan.grid_dir / RUNS_DIR / p.name)]
+        raise ConfigError(f"--resume: {plan.grid_dir / run_files.GRID} lists a trial twice; "
+                          "start a new grid (--name)")
+    over = [p for p in proposals if run_is_over(plan.grid_dir / run_files.RUNS / p.name)]
     return SearchState(over, [p for p in proposals if p not in over],
                        [(point, sample) for sample in range(search.spec.samples)
                         for point in range(len(search.points)) if (point, sample) not in taken])
@@ -159,7 +159,7 @@ def make_searcher(plan: GridPlan, state: SearchState, manifest: dict[str, Any]) 
     metric, mode = plan.file.metric.name, plan.file.metric.mode
     seed = sampler_seed(search.spec.seed, state.proposed)
     searchers = [point_searcher(search, metric, mode, seed) for _ in search.points]
-    runs_dir = plan.grid_dir / RUNS_DIR
+    runs_dir = plan.grid_dir / run_files.RUNS
 
     def tell(proposal: Proposal, asked: bool) -> None:
         value, outcome = search_outcome(runs_dir / proposal.name, metric)
@@ -173,7 +173,7 @@ def make_searcher(plan: GridPlan, state: SearchState, manifest: dict[str, Any]) 
 
     def record(entry: dict[str, Any]) -> None:
         manifest["trials"].append(entry)
-        strict_json.write(plan.grid_dir / GRID_FILE, manifest, indent=2)
+        strict_json.write(plan.grid_dir / run_files.GRID, manifest, indent=2)
 
     for proposal in state.over:
         tell(proposal, asked=False)
@@ -216,7 +216,7 @@ def make_searcher(plan: GridPlan, state: SearchState, manifest: dict[str, Any]) 
             source = search.points[proposal.point]
             run_dir = runs_dir / proposal.name
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / ERROR_FILE).write_text(f"ConfigError: the proposal is not a valid "
+            (run_dir / run_files.ERROR).write_text(f"ConfigError: the proposal is not a valid "
                                               f"config: {error}\n")
             record({"name": proposal.name, "overrides": {**source.overrides, **proposal.values},
                     "strategy": proposal.values.get("outer.strategy",

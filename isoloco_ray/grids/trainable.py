@@ -12,10 +12,7 @@ from typing import Any
 from isoloco_ray import run_files, strict_json
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.grids.expand import Trial
-from isoloco_ray.report import ERROR_FILE
 from isoloco_ray.storage import hold_run, location, run_directory
-
-SUMMARY_FILE = run_files.SUMMARY
 
 
 def run_trial(params: dict[str, Any]) -> dict[str, Any]:
@@ -39,9 +36,9 @@ def _run_trial_held(cfg: TrainConfig, data_dir: Any, run_dir: Any) -> dict[str, 
 
     from isoloco_ray.train import fit, write_config, write_summary
 
-    if (run_dir / SUMMARY_FILE).is_file():
-        return strict_json.finite_or_none(json.loads((run_dir / SUMMARY_FILE).read_text()))
-    (run_dir / ERROR_FILE).unlink(missing_ok=True)
+    if (run_dir / run_files.SUMMARY).is_file():
+        return strict_json.finite_or_none(json.loads((run_dir / run_files.SUMMARY).read_text()))
+    (run_dir / run_files.ERROR).unlink(missing_ok=True)
     write_config(run_dir, cfg)
     started = time.perf_counter()
     try:
@@ -51,7 +48,7 @@ def _run_trial_held(cfg: TrainConfig, data_dir: Any, run_dir: Any) -> dict[str, 
             raise RuntimeError(f"the run stopped after round {final['rounds']}: "
                                f"{final['error']}")
     except Exception:
-        (run_dir / ERROR_FILE).write_text(traceback.format_exc())
+        (run_dir / run_files.ERROR).write_text(traceback.format_exc())
         raise
     # summary.json is strict JSON (a NaN eval loss is null: the report says "diverged");
     # so is what Tune records.

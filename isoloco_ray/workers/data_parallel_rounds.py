@@ -15,8 +15,13 @@ from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.agreement import stop_if_any_rank_failed
 from isoloco_ray.workers.collectives import TrafficCounter, all_reduce_sum
 from isoloco_ray.workers.outer.step import OuterStepStats
-from isoloco_ray.workers.replica import (inner_step, load_parameters, make_inner_optimizer,
-                                         parameters_finite, snapshot_parameters)
+from isoloco_ray.workers.replica import (
+    inner_step,
+    load_parameters,
+    make_inner_optimizer,
+    parameters_finite,
+    snapshot_parameters,
+)
 
 if TYPE_CHECKING:
     from isoloco_ray.workers.loop import Trainer

@@ -18,8 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from isoloco_ray.config import ScalingConfig
-from isoloco_ray.workers.collectives import (Group, TrafficCounter, all_reduce_scalars,
-                                             all_reduce_sum)
+from isoloco_ray.workers.collectives import (
+    Group,
+    TrafficCounter,
+    all_reduce_scalars,
+    all_reduce_sum,
+)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,11 @@ from isoloco_ray.config import TrainConfig, config_differences
 from isoloco_ray.data.format import DatasetMeta, split_files
 from isoloco_ray.data.stream import ReplicaStream, RowReader, replica_share
 from isoloco_ray.workers import checkpoint, resume
-from isoloco_ray.workers.agreement import (TrainingStopped, check_workers_agree,
-                                           stop_unless_checkpoint_fits)
+from isoloco_ray.workers.agreement import (
+    TrainingStopped,
+    check_workers_agree,
+    stop_unless_checkpoint_fits,
+)
 from isoloco_ray.workers.data_parallel_rounds import DataParallelRounds
 from isoloco_ray.workers.diloco_rounds import DiLoCoRounds
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
@@ -39,10 +42,13 @@ from isoloco_ray.workers.layout import WorkerLayout, placement_warning
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
 from isoloco_ray.workers.outer.step import OuterSync
 from isoloco_ray.workers.quorum import QuorumSeat
-from isoloco_ray.workers.replica import (Replica, load_parameters, parameters_finite,
-                                         snapshot_parameters)
+from isoloco_ray.workers.replica import (
+    Replica,
+    load_parameters,
+    parameters_finite,
+    snapshot_parameters,
+)
 from isoloco_ray.workers.round_metrics import Metrics, round_metrics
-
 
 # A final eval loss within this many nats of ln V is no better than a uniform prediction.
 UNIFORM_MARGIN = 1e-3

@@ -9,8 +9,8 @@ declared at the top of `Replica`.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch

@@ -101,7 +101,9 @@ def repair_record(run_dir: Any) -> str | None:
     run.keep_checkpoints as new ones come. The unreadable record is kept beside it as
     `<name>.damaged`. Written in Ray's own format (its pydantic model, pinned Ray version)."""
     from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
-        _CheckpointManagerState, _TrainingResultState)
+        _CheckpointManagerState,
+        _TrainingResultState,
+    )
 
     record = run_dir / RAY_RECORD
     if not record.exists():

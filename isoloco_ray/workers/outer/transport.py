@@ -24,10 +24,18 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from isoloco_ray.workers.collectives import (
+    Group,
+    TrafficCounter,
+    all_gather_flat,
+    all_reduce_sum,
+    all_to_all_flat,
+    broadcast_flat,
+    buckets,
+    group_rank,
+    group_size,
+)
 from isoloco_ray.workers.outer.codec import codec_for
-from isoloco_ray.workers.collectives import (Group, TrafficCounter, all_gather_flat,
-                                             all_reduce_sum, all_to_all_flat, broadcast_flat,
-                                             buckets, group_rank, group_size)
 from isoloco_ray.workers.outer.plan import OuterPlan
 
 Payload = Mapping[str, list[torch.Tensor]]
