@@ -103,10 +103,20 @@ def _with_loopback_workers(runtime_env: Any) -> dict[str, Any]:
     return env
 
 
+def _psutil() -> Any:
+    """psutil: Ray ships a copy and puts it on sys.path when it is imported, so Ray comes first
+    (psutil itself is not a dependency; an import in the other order fails without it)."""
+    import ray  # noqa: F401
+
+    # isort: split
+    import psutil
+
+    return psutil
+
+
 def loopback_interface() -> str:
     """The name of the network interface that holds 127.0.0.1 ("lo" on Linux)."""
-    import psutil
-    import ray  # noqa: F401  (puts Ray's vendored psutil on sys.path)
+    psutil = _psutil()
 
     for name, addresses in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == LOOPBACK for a in addresses):
@@ -218,8 +228,7 @@ def is_loopback(host: str) -> bool:
 def session_pids(root: int | None = None) -> list[int]:
     """`root` (default: this process, the driver that started Ray) and all its descendants:
     GCS, raylet, the agents, monitor and dashboard processes, every worker."""
-    import psutil
-    import ray  # noqa: F401  (puts Ray's vendored psutil on sys.path)
+    psutil = _psutil()
 
     process = psutil.Process(os.getpid() if root is None else root)
     return [process.pid] + [child.pid for child in process.children(recursive=True)]
@@ -228,8 +237,7 @@ def session_pids(root: int | None = None) -> list[int]:
 def listening_sockets(pids: Iterable[int]) -> list[tuple[int, str, str, str, int]]:
     """(pid, process name, "tcp"/"udp", address, port) of every listening TCP socket and every
     unconnected UDP socket the processes hold; processes gone meanwhile are skipped."""
-    import psutil
-    import ray  # noqa: F401  (puts Ray's vendored psutil on sys.path)
+    psutil = _psutil()
 
     found = []
     for pid in pids:

@@ -28,12 +28,9 @@ from typing import Any
 
 from isoloco_ray import run_files, strict_json
 from isoloco_ray.config import check_name, flatten
+from isoloco_ray.metrics import DIVERGED_IF_NOT_FINITE, SUMMARY_METRICS
 from isoloco_ray.storage import location
 
-SUMMARY_METRICS = ("final_eval_loss", "final_eval_perplexity", "tokens_per_s", "seconds",
-                   "train_seconds", "outer_bytes_per_round")
-# A finished run with one of these not a finite number (or null) diverged.
-DIVERGED_IF_NOT_FINITE = ("final_eval_loss", "final_eval_perplexity")
 # Fields every run sets differently by construction: never "varied" in a table.
 _IGNORED_FIELDS = ("run.name", "run.storage_path", "outer.strategy")
 

@@ -34,6 +34,7 @@ from isoloco_ray.fault_tolerance import (
     torchft_backend,
 )
 from isoloco_ray.local_ray import joined_cluster
+from isoloco_ray.metrics import RunSummary, format_progress
 from isoloco_ray.storage import check_writable, hold_run
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
 
@@ -211,29 +212,6 @@ def start_line(cfg: TrainConfig, data_dir: Path) -> str:
             f"data {data_dir}")
 
 
-def format_progress(metrics: dict[str, Any], rounds: int, overlapped: bool = False) -> str:
-    """One console line per outer round (or the initial evaluation); with `overlapped`
-    (outer.delay > 0) it adds how long training waited for the outer syncs."""
-    parts = [f"round {metrics['round']:>4}/{rounds}"]
-    if "loss" in metrics:
-        parts.append(f"loss {metrics['loss']:.4f}")
-    if "eval_loss" in metrics:
-        parts.append(f"eval {metrics['eval_loss']:.4f} (ppl {metrics['eval_perplexity']:.1f})")
-    if metrics.get("missing_workers"):  # scaling.fault_tolerance: replica
-        parts.append(f"without workers {metrics['missing_workers']}")
-    if metrics.get("dropped_replicas"):
-        parts.append(f"dropped replicas {metrics['dropped_replicas']}")
-    if "tokens_per_s" in metrics:
-        parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
-        parts.append(f"inner {metrics['inner_seconds']:.1f}s comm "
-                     f"{metrics['outer_comm_seconds']:.2f}s merge "
-                     f"{metrics['outer_merge_seconds']:.2f}s "
-                     f"{metrics['outer_bytes_received'] / 2**20:,.1f} MiB in")
-        if overlapped:
-            parts.append(f"waited {metrics['outer_wait_seconds']:.2f}s")
-    return " | ".join(parts)
-
-
 def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Event,
                     on_metrics: Callable[[dict[str, Any]], None] | None = None,
                     overlapped: bool = False) -> None:
@@ -362,15 +340,10 @@ def write_config(run_dir: Path, cfg: TrainConfig) -> None:
 def write_summary(cfg: TrainConfig, final: dict[str, Any], data_dir: Path, run_dir: Path,
                   seconds: float) -> dict[str, Any]:
     """Write `run_dir/summary.json` for a finished run and return its contents."""
-    summary = {
-        "strategy": cfg.outer.strategy,
-        "replicas": cfg.scaling.replicas,
-        **final,
-        "model_dir": str(run_dir / run_files.MODEL_DIR),
-        "run_dir": str(run_dir),
-        "data_dir": str(data_dir),
-        "seconds": seconds,
-    }
+    summary = RunSummary(**final).as_dict() | RunSummary(
+        strategy=cfg.outer.strategy, replicas=cfg.scaling.replicas,
+        model_dir=str(run_dir / run_files.MODEL_DIR), run_dir=str(run_dir),
+        data_dir=str(data_dir), seconds=seconds).as_dict()
     strict_json.write(run_dir / run_files.SUMMARY, summary, indent=2)
     return summary
 

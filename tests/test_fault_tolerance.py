@@ -86,10 +86,11 @@ def test_the_summary_counts_worker_losses_once_per_loss_and_a_resume_does_not_do
     part is one loss (its healing round, also without it, is not another); rounds repeated
     by a resume count once, from their last record; the round-0 join is not a round."""
     from isoloco_ray.fault_tolerance import quorum_summary
-    from isoloco_ray.train import format_progress
+    from isoloco_ray.metrics import format_progress
 
     def line(round_index, contributors, wait=0.1):
-        return json.dumps({"round": round_index, "contributors": contributors,
+        return json.dumps({"round": round_index, "tokens": 96 * round_index,
+                           "contributors": contributors,
                            "missing_workers": [w for w in range(3) if w not in contributors],
                            "quorum_wait_seconds": wait})
 

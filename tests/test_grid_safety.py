@@ -14,9 +14,9 @@ from test_tune import TUNE_CONFIGS, write_grid
 
 from isoloco_ray import tune
 from isoloco_ray.config import check_name
+from isoloco_ray.grids.console import progress_printer
 from isoloco_ray.grids.expand import build_trials, trial_name
 from isoloco_ray.grids.spec import load_grid_file
-from isoloco_ray.grids.console import progress_printer
 
 
 def strict_json(path: Path) -> object:
@@ -211,14 +211,16 @@ def test_trial_summary_and_progress_are_strict_about_non_finite_losses(tmp_path,
     monkeypatch.setattr(ray.tune.integration.ray_train, "TuneReportCallback", lambda: None)
     monkeypatch.setattr(train, "fit", lambda *args, **kwargs: {
         "rounds": 2, "tokens": 1536, "final_eval_loss": float("nan"),
-        "final_eval_perplexity": float("inf"), "history": [1.0, float("-inf")]})
+        "final_eval_perplexity": float("inf"),
+        "evaluations": {"test": {"losses": [1.0, float("-inf")]}}})  # nested: also strict
     plan = tune.plan_grid(write_grid(tmp_path, small_dataset), [])
     trial = plan.trials[0]
     params = {"trial": {"name": trial.name, "data_dir": str(trial.data_dir),
                         "config": trial.config.model_dump(mode="json")}}
     result = tune.run_trial(params)
     summary = strict_json(trial.run_dir / "summary.json")
-    assert summary["final_eval_loss"] is None and summary["history"] == [1.0, None]
+    assert summary["final_eval_loss"] is None
+    assert summary["evaluations"]["test"]["losses"] == [1.0, None]
     assert result["final_eval_perplexity"] is None
     assert tune.run_trial(params) == summary  # a finished run is not trained again
 

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from pydantic import ValidationError
+from transformers import LlamaForCausalLM
 
 from isoloco_ray.config import load_config
 from isoloco_ray.strategies import STRATEGIES, OuterMerge
@@ -20,8 +21,6 @@ from isoloco_ray.workers.fragments import round_events, split_fragments
 from isoloco_ray.workers.local import StopAfterRound, run_local
 from isoloco_ray.workers.model import llama_config
 from isoloco_ray.workers.replica import Replica
-
-from transformers import LlamaForCausalLM
 
 # Every strategy with an outer step, from the registry (a new one is tested by name here).
 OUTER_STEP_STRATEGIES = [name for name, spec in STRATEGIES.items() if spec.has_outer_step]
@@ -293,14 +292,14 @@ def test_a_failing_background_sync_raises_where_it_lands():
 
 
 def test_progress_line_shows_how_long_training_waited_for_the_syncs():
-    from isoloco_ray.train import format_progress
+    from isoloco_ray.metrics import format_progress
 
-    line = format_progress({"round": 3, "loss": 6.0, "tokens_per_s": 1000.0,
+    line = format_progress({"round": 3, "tokens": 768, "loss": 6.0, "tokens_per_s": 1000.0,
                             "inner_seconds": 9.0, "outer_comm_seconds": 2.0,
                             "outer_merge_seconds": 0.5, "outer_bytes_received": 2**21,
                             "outer_wait_seconds": 0.25}, rounds=6, overlapped=True)
     assert line.endswith("inner 9.0s comm 2.00s merge 0.50s 2.0 MiB in | waited 0.25s")
-    plain = format_progress({"round": 3, "loss": 6.0, "tokens_per_s": 1000.0,
+    plain = format_progress({"round": 3, "tokens": 768, "loss": 6.0, "tokens_per_s": 1000.0,
                              "inner_seconds": 9.0, "outer_comm_seconds": 2.0,
                              "outer_merge_seconds": 0.5, "outer_bytes_received": 2**21,
                              "outer_wait_seconds": 2.5}, rounds=6)

@@ -16,6 +16,7 @@ from isoloco_ray.grids.plan import GridPlan
 from isoloco_ray.grids.scheduler import describe_scheduler
 from isoloco_ray.grids.search import STARTUP_TRIALS, first_proposals
 from isoloco_ray.grids.trainable import trial_name, trial_run_dir
+from isoloco_ray.metrics import format_progress
 from isoloco_ray.report import finite, last_error_line
 
 
@@ -69,7 +70,6 @@ def progress_printer() -> Any:
     (Tune's own status tables are turned off)."""
     from ray import tune
 
-    from isoloco_ray.train import format_progress
 
     class ProgressPrinter(tune.Callback):
         def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict,

@@ -25,16 +25,14 @@ from isoloco_ray.config import (
     format_validation_error,
     read_yaml_config,
 )
+from isoloco_ray.metrics import ROUND_METRICS, SUMMARY_METRICS
 
-SummaryMetric = Literal["final_eval_loss", "final_eval_perplexity", "tokens_per_s", "seconds",
-                        "train_seconds", "outer_bytes_per_round"]
+# The summary figures a grid may rank by (metrics.RunSummary's ranked fields).
+SummaryMetric = Literal[SUMMARY_METRICS]  # type: ignore[valid-type]
 FIELD_PATHS = field_paths(TrainConfig)
 # Paths with environment references ($DATA_DIR/...) expanded when a grid is loaded, so files
 # converted from W&B sweeps keep working unchanged on another cluster.
 ENV_PATH_FIELDS = ("data.path", "run.storage_path")
-# What a scheduler can judge a running trial by: figures of the per-round reports, lower is
-# better (workers/loop.py; eval_* on evaluation rounds only, loss on every round after 0).
-ROUND_METRICS = ("eval_loss", "eval_perplexity", "loss")
 SCHEDULERS = {"asha": "asynchronous successive halving (Ray Tune's ASHAScheduler)",
               "median": "median stopping rule (Ray Tune's MedianStoppingRule)"}
 SEARCH_ALGOS = {"optuna": "Optuna's TPE sampler through Ray Tune's OptunaSearch"}

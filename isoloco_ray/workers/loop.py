@@ -27,6 +27,7 @@ from isoloco_ray import run_files, storage
 from isoloco_ray.config import TrainConfig, config_differences
 from isoloco_ray.data.format import DatasetMeta, split_files
 from isoloco_ray.data.stream import ReplicaStream, RowReader, replica_share
+from isoloco_ray.metrics import RoundMetrics, RunSummary
 from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.agreement import (
     TrainingStopped,
@@ -235,9 +236,9 @@ class Trainer:
                 self.join()
             if self.initial_eval_loss is None:
                 self.initial_eval_loss = self.last_eval_loss = self.evaluate()
-                env.report({"round": 0, "tokens": 0, "eval_loss": self.initial_eval_loss,
-                            "eval_perplexity": perplexity(self.initial_eval_loss),
-                            **self.runner.quorum_metrics()}, None)
+                env.report(RoundMetrics(round=0, tokens=0, eval_loss=self.initial_eval_loss,
+                                        eval_perplexity=perplexity(self.initial_eval_loss),
+                                        **self.runner.quorum_metrics()).as_dict(), None)
             self._train_rounds()
         except TrainingStopped as stop:
             # Returned, not raised: a retry from the last checkpoint would only repeat it.
@@ -319,15 +320,19 @@ class Trainer:
                 self.first_round_seconds = seconds
             metrics = round_metrics(cfg, self.round, loss_sum, seconds, inner_seconds, stats,
                                     env.device)
-            self.bytes_total += metrics["outer_bytes_received"]  # the busiest rank's
-            metrics.update(self.runner.quorum_metrics())  # with a seat: who took part
+            self.bytes_total += metrics.outer_bytes_received  # the busiest rank's
+            # With a seat: who took part.
+            metrics = replace(metrics, **self.runner.quorum_metrics())
             saving = self.round % cfg.run.checkpoint_every == 0 or self.round == cfg.run.rounds
-            metrics["state_sha256" if saving else "state_checksum"] = \
-                check_workers_agree(self.global_params, self.round, full=saving)
+            agreement = check_workers_agree(self.global_params, self.round, full=saving)
+            if saving:
+                metrics.state_sha256 = agreement
+            else:
+                metrics.state_checksum = agreement
             if self.round % cfg.run.eval_every == 0 or self.round == cfg.run.rounds:
                 self.last_eval_loss = self.evaluate()
-                metrics.update(eval_loss=self.last_eval_loss,
-                               eval_perplexity=perplexity(self.last_eval_loss))
+                metrics.eval_loss = self.last_eval_loss
+                metrics.eval_perplexity = perplexity(self.last_eval_loss)
             if saving:
                 with tempfile.TemporaryDirectory() as directory:
                     self.save(Path(directory))
@@ -335,9 +340,9 @@ class Trainer:
                     stop_unless_checkpoint_fits(Path(directory), self.round,
                                                 0 if env.seat is not None else env.rank,
                                                 env.device, env.checkpoint_room)
-                    env.report(metrics, Path(directory))
+                    env.report(metrics.as_dict(), Path(directory))
             else:
-                env.report(metrics, None)
+                env.report(metrics.as_dict(), None)
 
     def divergence(self) -> str | None:
         """Why a run that reached its end is still no success, or None: its last rounds were
@@ -357,22 +362,22 @@ class Trainer:
         """The run's final figures (summary.json, less what only the driver knows)."""
         cfg = self.cfg
         diverged = self.divergence()
-        return {
-            "status": "done" if diverged is None else "diverged",
-            **({} if diverged is None else {"diverged": diverged}),
-            "rounds": self.round,
-            "tokens": self.round * cfg.tokens_per_round,
-            "num_parameters": count_parameters(self.model),
-            "initial_eval_loss": self.initial_eval_loss,
-            "final_eval_loss": self.last_eval_loss,
-            "final_eval_perplexity": perplexity(self.last_eval_loss),
-            "tokens_per_s": steady_tokens_per_s(self.round, cfg.tokens_per_round,
-                                                self.train_seconds, self.first_round_seconds),
-            "train_seconds": self.train_seconds,
-            "first_round_seconds": self.first_round_seconds,
-            "outer_bytes_per_round": self.bytes_total / max(self.round, 1),
-            "model_sha256": checkpoint.parameters_sha256(self.global_params),
-        }
+        return RunSummary(
+            status="done" if diverged is None else "diverged",
+            diverged=diverged,
+            rounds=self.round,
+            tokens=self.round * cfg.tokens_per_round,
+            num_parameters=count_parameters(self.model),
+            initial_eval_loss=self.initial_eval_loss,
+            final_eval_loss=self.last_eval_loss,
+            final_eval_perplexity=perplexity(self.last_eval_loss),
+            tokens_per_s=steady_tokens_per_s(self.round, cfg.tokens_per_round,
+                                             self.train_seconds, self.first_round_seconds),
+            train_seconds=self.train_seconds,
+            first_round_seconds=self.first_round_seconds,
+            outer_bytes_per_round=self.bytes_total / max(self.round, 1),
+            model_sha256=checkpoint.parameters_sha256(self.global_params),
+        ).as_dict()
 
 
 def steady_tokens_per_s(rounds: int, tokens_per_round: int, train_seconds: float,

@@ -9,14 +9,17 @@ from typing import Any
 import torch
 
 from isoloco_ray.config import TrainConfig
+from isoloco_ray.metrics import RoundMetrics
 from isoloco_ray.workers.collectives import all_gather_scalars, all_reduce_scalars
 from isoloco_ray.workers.outer.step import OuterStepStats
 
+# A report as Ray Train takes it: RoundMetrics.as_dict(), or a run summary.
 Metrics = dict[str, Any]
 
 
 def round_metrics(cfg: TrainConfig, round_index: int, loss_sum: float, seconds: float,
-                  inner_seconds: float, stats: OuterStepStats, device: torch.device) -> Metrics:
+                  inner_seconds: float, stats: OuterStepStats, device: torch.device
+                  ) -> RoundMetrics:
     """The metrics of round `round_index` (1-based), on every rank alike: `loss_sum` is this
     rank's sum of its finite replicas' mean losses (summed over ranks, divided by the good
     replicas), `stats` this rank's outer syncs of the round."""
@@ -27,19 +30,19 @@ def round_metrics(cfg: TrainConfig, round_index: int, loss_sum: float, seconds: 
         [stats.bytes_received, stats.comm_seconds, stats.merge_seconds, stats.wait_seconds],
         device)
     bytes_by_rank = [int(values[0]) for values in by_rank]
-    return {
-        "round": round_index,
-        "tokens": round_index * cfg.tokens_per_round,
-        "loss": loss_sum / good if good else math.nan,
-        "tokens_per_s": cfg.tokens_per_round / seconds,
-        "round_seconds": seconds,
-        "inner_seconds": inner_seconds,
+    return RoundMetrics(
+        round=round_index,
+        tokens=round_index * cfg.tokens_per_round,
+        loss=loss_sum / good if good else math.nan,
+        tokens_per_s=cfg.tokens_per_round / seconds,
+        round_seconds=seconds,
+        inner_seconds=inner_seconds,
         # The slowest / busiest rank's figures: the round waits for it.
-        "outer_comm_seconds": max(values[1] for values in by_rank),
-        "outer_merge_seconds": max(values[2] for values in by_rank),
+        outer_comm_seconds=max(values[1] for values in by_rank),
+        outer_merge_seconds=max(values[2] for values in by_rank),
         # The training thread's time blocked on outer syncs (outer.delay hides the rest).
-        "outer_wait_seconds": max(values[3] for values in by_rank),
-        "outer_bytes_received": max(bytes_by_rank),
-        "outer_bytes_by_rank": bytes_by_rank,
-        "dropped_replicas": stats.dropped,
-    }
+        outer_wait_seconds=max(values[3] for values in by_rank),
+        outer_bytes_received=max(bytes_by_rank),
+        outer_bytes_by_rank=bytes_by_rank,
+        dropped_replicas=stats.dropped,
+    )
