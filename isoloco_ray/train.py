@@ -6,35 +6,20 @@ Ray Train TorchTrainer, printing a line per outer round, and ends with `summary:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray import run_files, strict_json
-from isoloco_ray.config import (
-    ConfigError,
-    ScalingConfig,
-    TrainConfig,
-    config_differences,
-    load_config,
-)
+from isoloco_ray import run_files
+from isoloco_ray.config import ConfigError, ScalingConfig, TrainConfig, load_config
 from isoloco_ray.data.checks import epochs, validated_data_dir
 from isoloco_ray.data.format import DataError, DatasetMeta
-from isoloco_ray.elastic import allowed_counts_only, ray_scaling_config
-from isoloco_ray.fault_tolerance import (
-    check_torchft_available,
-    quorum_summary,
-    timeouts,
-    torchft_backend,
-)
+from isoloco_ray.driver import RunFailed, check_run_dir, run_once, saved_config
+from isoloco_ray.fault_tolerance import check_torchft_available
 from isoloco_ray.local_ray import joined_cluster
-from isoloco_ray.metrics import RunSummary, format_progress
 from isoloco_ray.storage import check_writable, hold_run
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
 
@@ -212,149 +197,6 @@ def start_line(cfg: TrainConfig, data_dir: Path) -> str:
             f"data {data_dir}")
 
 
-def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Event,
-                    on_metrics: Callable[[dict[str, Any]], None] | None = None,
-                    overlapped: bool = False) -> None:
-    """Print and record (metrics.jsonl, and `on_metrics`, e.g. W&B) each report rank 0 puts on
-    `queue` until `stop`. A failing `on_metrics` is reported once and then left out: the
-    console and metrics.jsonl go on."""
-    from ray.util.queue import Empty
-
-    while not (stop.is_set() and queue.empty()):
-        try:
-            metrics = queue.get(timeout=0.5)
-        except Empty:
-            continue
-        print(format_progress(metrics, rounds, overlapped), flush=True)
-        try:  # opened per round: object storage has no appending to an open file
-            with log_path.open("a") as log:
-                log.write(strict_json.dumps(metrics) + "\n")
-        except Exception as exc:  # noqa: BLE001 - an unreachable store must not stop the run
-            print(f"warning: cannot record round {metrics.get('round')} in {log_path} "
-                  f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
-        if on_metrics is not None:
-            try:
-                on_metrics(metrics)
-            except Exception as exc:  # noqa: BLE001 - a logger must not stop the record
-                print(f"warning: logging round {metrics.get('round')} failed "
-                      f"({type(exc).__name__}: {exc}); no further rounds are sent there, "
-                      f"{log_path} keeps every round", file=sys.stderr, flush=True)
-                on_metrics = None
-
-
-def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any = None,
-                  callbacks: Sequence[Any] = ()) -> Any:
-    """The Ray Train TorchTrainer of one run (R/V workers; each streams its replicas' shares
-    with Ray Data itself, from their positions: `stream.read_with_ray_data`).
-
-    `progress`: a ray.util.queue.Queue that rank 0 puts every report on; `callbacks`: Ray
-    Train callbacks (e.g. Tune's TuneReportCallback).
-    """
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    from isoloco_ray.workers.loop import train_loop_per_worker
-
-    joined = joined_cluster()
-    return TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"config": cfg.model_dump(mode="json"), "data_dir": str(data_dir),
-                           "run_dir": str(run_dir), "progress": progress,
-                           "loopback": not joined, "ft_timeouts": timeouts(),
-                           # Test hook: see workers/loop.py kill_once_hook.
-                           "kill_at": os.environ.get("ISOLOCO_RAY_KILL_AT")},
-        torch_config=(torchft_backend(cfg, joined)
-                      if cfg.scaling.fault_tolerance == "replica" else None),
-        scaling_config=ray_scaling_config(cfg.scaling),
-        run_config=ray.train.RunConfig(
-            name=run_dir.name, storage_path=str(run_dir.parent), callbacks=list(callbacks),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
-            logging_config=ray.train.LoggingConfig(log_level="ERROR")),
-    )
-
-
-def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any] = (),
-        on_metrics: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run the TorchTrainer, printing progress lines; returns rank 0's final metrics.
-
-    `callbacks`: Ray Train callbacks (Tune's in a grid); `on_metrics`: called in the driver
-    with every report."""
-    import ray
-    from ray.util.queue import Queue
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from isoloco_ray.workers.resume import repair_record
-
-    # On this (the driver's) node: a queue on a node that is lost would take every later
-    # progress line with it, while the run goes on elsewhere.
-    progress = Queue(actor_options={"num_cpus": 0, "scheduling_strategy":
-                                    NodeAffinitySchedulingStrategy(
-                                        ray.get_runtime_context().get_node_id(), soft=False)})
-    # Before Ray Train reads it: a record a crash left unreadable would stop the run for good.
-    repaired = repair_record(run_dir)
-    if repaired is not None:
-        print(repaired, file=sys.stderr, flush=True)
-    replica_mode = cfg.scaling.fault_tolerance == "replica"
-    if replica_mode:  # a result left by an earlier attempt of this run is not this one's
-        (run_dir / run_files.FT_END).unlink(missing_ok=True)
-    stop = threading.Event()
-    follower = threading.Thread(target=follow_progress, daemon=True,
-                                args=(progress, cfg.run.rounds, run_dir / run_files.METRICS, stop,
-                                      on_metrics, cfg.outer.delay > 0))
-    follower.start()
-    from isoloco_ray.workers.replica_mode import read_end
-
-    try:
-        with allowed_counts_only(cfg.scaling):
-            result = build_trainer(cfg, data_dir, run_dir, progress, callbacks).fit()
-    except ray_train_failure():
-        # In replica mode a worker that outlived the run's result by long enough exits, and
-        # Ray Train may count that as its last failure: the run is over all the same.
-        if not replica_mode or read_end(run_dir) is None:
-            raise
-    finally:
-        stop.set()
-        follower.join()
-    if not replica_mode:
-        return result.return_value
-    # Left by the final round's writer (workers/replica_mode.py): rank 0 may have been lost.
-    final = read_end(run_dir)
-    if final is None:
-        return {"error": f"the workers ended without leaving the run's result "
-                         f"({run_files.FT_END}); run the same command again to resume from the "
-                         "latest checkpoint"}
-    metrics = run_dir / run_files.METRICS
-    if "error" not in final and metrics.exists():
-        final.update(quorum_summary(metrics.read_text().splitlines()))
-    return final
-
-
-def write_config(run_dir: Path, cfg: TrainConfig) -> None:
-    """Write `run_dir/config.json`, the settings a resume must match, atomically: on a full
-    disk the previous one stays whole (a truncated one would stop every later resume)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    strict_json.write(run_dir / run_files.CONFIG, cfg.model_dump(mode="json"), indent=2)
-
-
-def write_summary(cfg: TrainConfig, final: dict[str, Any], data_dir: Path, run_dir: Path,
-                  seconds: float) -> dict[str, Any]:
-    """Write `run_dir/summary.json` for a finished run and return its contents."""
-    summary = RunSummary(**final).as_dict() | RunSummary(
-        strategy=cfg.outer.strategy, replicas=cfg.scaling.replicas,
-        model_dir=str(run_dir / run_files.MODEL_DIR), run_dir=str(run_dir),
-        data_dir=str(data_dir), seconds=seconds).as_dict()
-    strict_json.write(run_dir / run_files.SUMMARY, summary, indent=2)
-    return summary
-
-
-def ray_train_failure() -> type[Exception]:
-    """The exception TorchTrainer.fit raises when the workers failed for good."""
-    from ray.train import TrainingFailedError
-
-    return TrainingFailedError
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 for configuration errors)."""
     args = sys.argv[1:] if argv is None else argv
@@ -385,39 +227,18 @@ def train_run(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> int:
         print(f"error: run.name: {run_dir} already holds a finished run; choose another "
               "run.name", file=sys.stderr)
         return 2
-    resuming = (run_dir / run_files.CONFIG).exists()
-    saved = json.loads((run_dir / run_files.CONFIG).read_text()) if resuming else None
+    saved = saved_config(run_dir)
     cfg = with_cpus_per_worker(cfg, saved)
-    if resuming:
-        differing = config_differences(saved, cfg)
-        if differing:
-            print(f"error: run.name: {run_dir} is a run with other settings "
-                  f"({', '.join(differing)}); resume it with the same settings or choose "
-                  "another run.name", file=sys.stderr)
-            return 2
-        print(f"resuming {run_dir} from its latest checkpoint", flush=True)
-    from isoloco_ray.workers.export import ExportError, refuse_foreign
-
-    try:  # found now, not after the training, whose model could then not be put in place
-        refuse_foreign(run_dir / run_files.MODEL_DIR)
-    except ExportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     started = time.perf_counter()
     try:
+        check_run_dir(cfg, run_dir, saved)
+        if saved is not None:
+            print(f"resuming {run_dir} from its latest checkpoint", flush=True)
         start_ray(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ray_start_seconds = time.perf_counter() - started
-    try:
-        write_config(run_dir, cfg)
-    except OSError as exc:
-        print(f"error: run.storage_path: cannot write {run_dir / run_files.CONFIG} "
-              f"({exc.strerror or exc}); free space there and run the same command again",
-              file=sys.stderr)
-        return 1
-
     print(start_line(cfg, data_dir), flush=True)
     passes = epochs(cfg, DatasetMeta.load(data_dir))
     if passes > 1:
@@ -425,20 +246,13 @@ def train_run(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> int:
               "(epochs, each in the same order)", flush=True)
     with RunLogger(cfg, run_dir) as wandb_run:
         try:
-            final = fit(cfg, data_dir, run_dir, on_metrics=wandb_run.log)
-        except ray_train_failure() as exc:
-            print(f"error: the run failed after {cfg.run.max_failures} restart(s) "
-                  f"(run.max_failures): {exc}\nIts checkpoints are kept: run the same command "
-                  "again to resume from the latest one.", file=sys.stderr)
+            summary = run_once(cfg, data_dir, run_dir, started=started,
+                               on_metrics=wandb_run.log, ray_start_seconds=ray_start_seconds)
+        except RunFailed as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            if exc.detail:
+                print(exc.detail, file=sys.stderr)
             return 1
-        if "resume_warning" in final:  # a damaged checkpoint was skipped; said here, as the
-            print(final["resume_warning"], file=sys.stderr)  # workers' stderr is not shown
-        if "error" in final:
-            after = f" after round {final['rounds']}" if final.get("rounds") else ""
-            print(f"error: the run stopped{after}: {final['error']}", file=sys.stderr)
-            return 1
-        summary = write_summary(cfg, {**final, "ray_start_seconds": ray_start_seconds},
-                                data_dir, run_dir, time.perf_counter() - started)
         wandb_run.finish(summary)
     print(f"final eval loss {summary['final_eval_loss']:.4f} (from "
           f"{summary['initial_eval_loss']:.4f}), {summary['tokens']:,} tokens, "

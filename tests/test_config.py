@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from isoloco_ray.config import ConfigError, TrainConfig, config_differences, load_config
-from isoloco_ray import train
+from isoloco_ray import driver, train
 
 
 def test_defaults_are_the_demo_run():
@@ -207,7 +207,7 @@ def cluster_without_gpus(monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("training started")
 
-    monkeypatch.setattr(train, "fit", no_training)
+    monkeypatch.setattr(driver, "fit", no_training)
 
 
 @pytest.mark.parametrize("joined", [False, True], ids=["local", "joined"])

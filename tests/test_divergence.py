@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from isoloco_ray import strict_json, train
+from isoloco_ray import driver, strict_json, train
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DataError
 from isoloco_ray.data.stream import ReplicaStream
@@ -119,8 +119,9 @@ def test_strict_json_writes_null_for_non_finite_values():
 
 def test_summary_json_is_strict(tmp_path, small_dataset):
     cfg = load_config(RUN)
-    summary = train.write_summary(cfg, {"final_eval_loss": 3.0, "final_eval_perplexity": math.inf},
-                                  small_dataset, tmp_path, 1.0)
+    summary = driver.write_summary(cfg, {"final_eval_loss": 3.0,
+                                         "final_eval_perplexity": math.inf},
+                                   small_dataset, tmp_path, 1.0)
     text = (tmp_path / "summary.json").read_text()
     assert "Infinity" not in text and json.loads(text)["final_eval_perplexity"] is None
     assert summary["final_eval_perplexity"] == math.inf
@@ -129,7 +130,7 @@ def test_summary_json_is_strict(tmp_path, small_dataset):
 def test_a_run_that_stopped_exits_1_without_a_summary(small_dataset, tmp_path, monkeypatch,
                                                        capsys):
     monkeypatch.setattr(train, "start_ray", lambda cfg: None)
-    monkeypatch.setattr(train, "fit", lambda *args, **kwargs: {
+    monkeypatch.setattr(driver, "fit", lambda *args, **kwargs: {
         "error": "the global parameters are not finite after the outer step of round 1",
         "rounds": 1})
     status = train.main(RUN + [f"--data.path={small_dataset}", f"--run.storage_path={tmp_path}",
@@ -167,7 +168,7 @@ def test_a_failing_metrics_logger_is_reported_once_and_the_record_goes_on(tmp_pa
 
     stop = threading.Event()
     stop.set()
-    train.follow_progress(Queue(reports), 3, tmp_path / "metrics.jsonl", stop, failing_logger)
+    driver.follow_progress(Queue(reports), 3, tmp_path / "metrics.jsonl", stop, failing_logger)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["round"] for line in lines] == [0, 1, 2]
     assert calls == [0]
@@ -225,7 +226,7 @@ def test_the_train_cli_says_a_run_diverged_last_and_exits_1(small_dataset, tmp_p
     cfg = load_config(RUN + ["--outer.lr=1e6"])
     final, _ = run_local(cfg, small_dataset)
     monkeypatch.setattr(train, "start_ray", lambda *args, **kwargs: None)
-    monkeypatch.setattr(train, "fit", lambda *args, **kwargs: dict(final))
+    monkeypatch.setattr(driver, "fit", lambda *args, **kwargs: dict(final))
     assert train.main(RUN + ["--outer.lr=1e6", f"--data.path={small_dataset}",
                              f"--run.storage_path={tmp_path}", "--run.name=destroyed"]) == 1
     out, err = capsys.readouterr()

@@ -206,10 +206,10 @@ def test_trial_summary_and_progress_are_strict_about_non_finite_losses(tmp_path,
                                                                        small_dataset, capsys):
     import ray.tune.integration.ray_train
 
-    from isoloco_ray import train
+    from isoloco_ray import driver
 
     monkeypatch.setattr(ray.tune.integration.ray_train, "TuneReportCallback", lambda: None)
-    monkeypatch.setattr(train, "fit", lambda *args, **kwargs: {
+    monkeypatch.setattr(driver, "fit", lambda *args, **kwargs: {
         "rounds": 2, "tokens": 1536, "final_eval_loss": float("nan"),
         "final_eval_perplexity": float("inf"),
         "evaluations": {"test": {"losses": [1.0, float("-inf")]}}})  # nested: also strict

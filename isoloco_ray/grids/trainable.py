@@ -34,25 +34,21 @@ def _run_trial_held(cfg: TrainConfig, data_dir: Any, run_dir: Any) -> dict[str, 
     """`run_trial` once its run directory is held."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from isoloco_ray.train import fit, write_config, write_summary
+    from isoloco_ray.driver import check_run_dir, run_once, saved_config
 
     if (run_dir / run_files.SUMMARY).is_file():
         return strict_json.finite_or_none(json.loads((run_dir / run_files.SUMMARY).read_text()))
     (run_dir / run_files.ERROR).unlink(missing_ok=True)
-    write_config(run_dir, cfg)
-    started = time.perf_counter()
     try:
-        final = fit(cfg, data_dir, run_dir, callbacks=[TuneReportCallback()])
-        wait_for_tune_to_take_reports()
-        if "error" in final:  # the loop gave up (e.g. every replica diverged)
-            raise RuntimeError(f"the run stopped after round {final['rounds']}: "
-                               f"{final['error']}")
+        check_run_dir(cfg, run_dir, saved_config(run_dir))
+        summary = run_once(cfg, data_dir, run_dir, started=time.perf_counter(),
+                           callbacks=[TuneReportCallback()],
+                           after_fit=wait_for_tune_to_take_reports)
     except Exception:
         (run_dir / run_files.ERROR).write_text(traceback.format_exc())
         raise
     # summary.json is strict JSON (a NaN eval loss is null: the report says "diverged");
     # so is what Tune records.
-    summary = write_summary(cfg, final, data_dir, run_dir, time.perf_counter() - started)
     return strict_json.finite_or_none(summary)
 
 
