@@ -15,8 +15,8 @@ from typing import Any
 
 from isoloco_ray import run_files
 from isoloco_ray.config import ConfigError, ScalingConfig, TrainConfig, load_config
-from isoloco_ray.data.checks import epochs, validated_data_dir
-from isoloco_ray.data.format import DataError, DatasetMeta
+from isoloco_ray.data.checks import epochs, validated_dataset
+from isoloco_ray.data.format import DataError, Dataset
 from isoloco_ray.driver import RunFailed, check_run_dir, run_once, saved_config
 from isoloco_ray.fault_tolerance import check_torchft_available
 from isoloco_ray.local_ray import joined_cluster
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         cfg = load_config(args)
-        data_dir = validated_data_dir(cfg)
+        dataset = validated_dataset(cfg)
         check_wandb_available(cfg)
         check_torchft_available(cfg)
     except (ConfigError, DataError) as exc:
@@ -217,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with held:
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
-        return train_run(cfg, data_dir, run_dir)
+        return train_run(cfg, dataset, run_dir)
 
 
-def train_run(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> int:
+def train_run(cfg: TrainConfig, dataset: Dataset, run_dir: Path) -> int:
     """`main` once the run directory is held: resume or start the run, then summarise it;
     returns the exit status."""
     if (run_dir / run_files.SUMMARY).exists():
@@ -239,14 +239,14 @@ def train_run(cfg: TrainConfig, data_dir: Path, run_dir: Path) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ray_start_seconds = time.perf_counter() - started
-    print(start_line(cfg, data_dir), flush=True)
-    passes = epochs(cfg, DatasetMeta.load(data_dir))
+    print(start_line(cfg, dataset.root), flush=True)
+    passes = epochs(cfg, dataset.meta)
     if passes > 1:
         print(f"note: the run reads each replica's share of the train data {passes:.1f} times "
               "(epochs, each in the same order)", flush=True)
     with RunLogger(cfg, run_dir) as wandb_run:
         try:
-            summary = run_once(cfg, data_dir, run_dir, started=started,
+            summary = run_once(cfg, dataset.root, run_dir, started=started,
                                on_metrics=wandb_run.log, ray_start_seconds=ray_start_seconds)
         except RunFailed as exc:
             print(f"error: {exc}", file=sys.stderr)

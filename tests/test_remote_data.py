@@ -98,14 +98,14 @@ def test_ray_data_reads_a_share_from_s3(ray_cluster, s3_data, small_dataset):
 def test_checks_scan_once_and_find_bad_shards(s3_data, s3_bucket, capsys):
     cfg = load_config([f"--data.path={s3_data}", "--data.seq_len=64", "--data.batch_size=4",
                        "--scaling.replicas=2"])
-    data_dir = checks.validated_data_dir(cfg)
+    data_dir = checks.validated_dataset(cfg).root
     assert str(data_dir) == s3_data
     assert "verifying" in capsys.readouterr().err
     # The stamp is written to the bucket, keyed by each shard's size and ETag...
     stamp = json.loads((data_dir / STAMP_FILE).read_text())
     head = boto3.client("s3").head_object(Bucket=s3_bucket, Key="data/train/part-00001.parquet")
     assert stamp["shards"]["train/part-00001.parquet"] == [head["ContentLength"], head["ETag"]]
-    checks.validated_data_dir(cfg)
+    checks.validated_dataset(cfg)
     assert "verifying" not in capsys.readouterr().err  # ...and used by the next run
     shard = split_files(data_dir, "train")[1]
 

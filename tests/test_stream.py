@@ -190,3 +190,22 @@ def test_ray_data_streams_read_each_replicas_share_like_pyarrow(ray_cluster, sma
     np.testing.assert_array_equal(
         torch.cat([stream.next_batch() for _ in range(batches)]).numpy(),
         expected[3:3 + 5 * batches])
+
+
+def test_a_worker_reads_meta_json_once_however_many_replicas_it_hosts(small_dataset,
+                                                                      monkeypatch):
+    """The Trainer opens the dataset once (format.Dataset) and hands it to every replica's
+    stream and the evaluation set: one read of meta.json, one GET on object storage."""
+    from isoloco_ray.config import load_config
+    from isoloco_ray.data.format import DatasetMeta
+    from isoloco_ray.workers.local import run_local
+
+    load = DatasetMeta.load.__func__
+    reads = []
+    monkeypatch.setattr(DatasetMeta, "load",
+                        classmethod(lambda cls, path: reads.append(path) or load(cls, path)))
+    cfg = load_config(["--model.preset=tiny", "--scaling.replicas=4",
+                       "--scaling.replicas_per_worker=4", "--inner.steps=1", "--run.rounds=1",
+                       "--data.seq_len=64", "--data.batch_size=4", "--run.eval_tokens=512"])
+    run_local(cfg, small_dataset)
+    assert reads == [small_dataset]

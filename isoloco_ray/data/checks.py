@@ -46,6 +46,7 @@ from isoloco_ray.data.format import (
     TOKEN_COLUMN,
     DataDir,
     DataError,
+    Dataset,
     DatasetMeta,
     shard_problems,
     share_of_rows,
@@ -276,8 +277,9 @@ def check_against_data(cfg: TrainConfig, meta: DatasetMeta, data_dir: DataDir) -
         replicas=cfg.scaling.replicas, batch_size=cfg.data.batch_size)
 
 
-def validated_data_dir(cfg: TrainConfig) -> DataDir:
-    """The data directory of `cfg`, checked against the config; raises ConfigError/DataError."""
-    data_dir = resolve_data_dir(cfg)
-    check_against_data(cfg, DatasetMeta.load(data_dir), data_dir)
-    return data_dir
+def validated_dataset(cfg: TrainConfig) -> Dataset:
+    """The dataset of `cfg`, opened and checked against the config; raises
+    ConfigError/DataError."""
+    dataset = Dataset.open(resolve_data_dir(cfg))
+    check_against_data(cfg, dataset.meta, dataset.root)
+    return dataset

@@ -31,6 +31,7 @@ import os
 import re
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -197,12 +198,37 @@ class DatasetMeta(_Strict):
         return str(local_copy(tokenizer, version, kind="tokenizers"))
 
 
-def split_files(data_dir: DataPath, split: str) -> list[DataDir]:
-    """The shard paths of ``split``, in order, as recorded in meta.json (``UPath``s for a
-    dataset at a URI)."""
-    meta = DatasetMeta.load(data_dir)
-    root = dataset_dir(data_dir)
-    return [root / s.file for s in meta.split(split).shards]
+@dataclass(frozen=True)
+class Dataset:
+    """A prepared dataset, opened: where it is and what its meta.json says. A process opens
+    it once and passes it on, so meta.json is read once (one GET on object storage) however
+    many replica streams, evaluation sets and exports use it."""
+
+    root: DataDir
+    meta: DatasetMeta
+
+    @classmethod
+    def open(cls, data: DataPath | Dataset) -> Dataset:
+        """The dataset at `data` (a local path, a URI, a UPath), meta.json read and checked
+        (DataError); a Dataset is returned as it is."""
+        if isinstance(data, Dataset):
+            return data
+        root = dataset_dir(data)
+        return cls(root, DatasetMeta.load(root))
+
+    def split_files(self, split: str) -> list[DataDir]:
+        """The shard paths of ``split``, in order, as recorded in meta.json (``UPath``s for
+        a dataset at a URI)."""
+        return [self.root / s.file for s in self.meta.split(split).shards]
+
+    def tokenizer_location(self) -> str:
+        """What to pass to ``AutoTokenizer.from_pretrained`` (DatasetMeta.tokenizer_location)."""
+        return self.meta.tokenizer_location(self.root)
+
+
+def split_files(data: DataPath | Dataset, split: str) -> list[DataDir]:
+    """The shard paths of ``split`` of the dataset at `data` (Dataset.split_files)."""
+    return Dataset.open(data).split_files(split)
 
 
 def share_of_rows(rows: Sequence[int], replica: int,
@@ -227,13 +253,12 @@ def share_of_rows(rows: Sequence[int], replica: int,
     return share
 
 
-def load_tokenizer(data_dir: DataPath) -> Any:
+def load_tokenizer(data: DataPath | Dataset) -> Any:
     """The dataset's tokenizer, loaded with ``transformers.AutoTokenizer``."""
     # Imported here: transformers takes seconds to import and most readers never need it.
     from transformers import AutoTokenizer
 
-    meta = DatasetMeta.load(data_dir)
-    return AutoTokenizer.from_pretrained(meta.tokenizer_location(data_dir))
+    return AutoTokenizer.from_pretrained(Dataset.open(data).tokenizer_location())
 
 
 def open_shard(path: DataPath) -> pq.ParquetFile:

@@ -31,8 +31,7 @@ from isoloco_ray.data.format import (
     DataDir,
     DataError,
     DataPath,
-    DatasetMeta,
-    dataset_dir,
+    Dataset,
     read_blocks,
     share_of_rows,
 )
@@ -111,12 +110,12 @@ class ReplicaShare:
         return []
 
 
-def replica_share(data_dir: DataPath, replica: int, replicas: int) -> ReplicaShare:
+def replica_share(data: DataPath | Dataset, replica: int, replicas: int) -> ReplicaShare:
     """The train rows replica `replica` of `replicas` reads (`share_of_rows`), in order, of
-    the dataset at `data_dir` (a local path or a URI)."""
-    meta = DatasetMeta.load(data_dir)
+    the dataset at `data` (a local path, a URI, or the Dataset opened already)."""
+    dataset = Dataset.open(data)
+    meta, root = dataset.meta, dataset.root
     shards = meta.split("train").shards
-    root = dataset_dir(data_dir)
     return ReplicaShare(
         tuple(ShardRange(root / shards[index].file, start,
                          shards[index].rows if stop is None else stop, shards[index].rows)

@@ -25,7 +25,7 @@ from torch import nn
 
 from isoloco_ray import run_files, storage
 from isoloco_ray.config import TrainConfig, config_differences
-from isoloco_ray.data.format import DatasetMeta, split_files
+from isoloco_ray.data.format import Dataset
 from isoloco_ray.data.stream import ReplicaStream, RowReader, replica_share
 from isoloco_ray.metrics import RoundMetrics, RunSummary
 from isoloco_ray.workers import checkpoint, resume
@@ -85,6 +85,7 @@ class Trainer:
     """One worker's training state; everything listed here is what a checkpoint holds."""
 
     layout: WorkerLayout  # hosted replicas and process groups (not state: rebuilt at start)
+    dataset: Dataset  # the prepared data, opened once (not state: the run's data.path)
     model: nn.Module  # scratch module the hosted replicas take turns in
     global_params: dict[str, torch.Tensor]  # θ_t, identical on every worker
     replicas: list[Replica]  # the replicas this worker hosts (their θ_r, AdamW, stream, ...)
@@ -103,20 +104,21 @@ class Trainer:
     bad_rounds: int  # consecutive rounds skipped because every replica diverged
     joined: bool  # with a quorum seat: whether `join` ran (not state: each process joins)
 
-    def __init__(self, cfg: TrainConfig, data_dir: Path, env: WorkerEnv) -> None:
+    def __init__(self, cfg: TrainConfig, data: Path | Dataset, env: WorkerEnv) -> None:
         self.cfg = cfg
         self.env = env
         self.layout = WorkerLayout.create(cfg.scaling, env.rank, env.world,
                                           background_sync=cfg.outer.delay > 0)
-        meta = DatasetMeta.load(data_dir)
-        self.model = build_model(cfg.model, meta.vocab_size, cfg.run.seed).to(env.device)
+        self.dataset = Dataset.open(data)
+        self.model = build_model(cfg.model, self.dataset.meta.vocab_size,
+                                 cfg.run.seed).to(env.device)
         self.runtime = Runtime.create(self.model, env.device, cfg.run.autocast, cfg.run.compile)
         self.global_params = snapshot_parameters(self.model)
         total_steps = cfg.run.rounds * cfg.inner.steps
         fused = env.device.type == "cuda"
         self.replicas = [
             Replica(r, self.model, cfg.inner, total_steps,
-                    ReplicaStream(replica_share(data_dir, r, cfg.scaling.replicas),
+                    ReplicaStream(replica_share(self.dataset, r, cfg.scaling.replicas),
                                   env.read_rows, cfg.data.seq_len, cfg.data.batch_size,
                                   vocab_size=self.model.config.vocab_size),
                     fused=fused, in_model=self._replicas_in_model(),
@@ -135,7 +137,7 @@ class Trainer:
         self.bytes_total = 0
         self.bad_rounds = 0
         self.joined = False
-        self.eval_set = eval_sequences(split_files(data_dir, "valid"), cfg.data.seq_len,
+        self.eval_set = eval_sequences(self.dataset.split_files("valid"), cfg.data.seq_len,
                                        cfg.run.eval_tokens)
         if env.restore_from is not None:
             self.restore(env.restore_from)
@@ -430,7 +432,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     # Ray gives OMP_NUM_THREADS the worker's whole CPUs, but torch may have read it before, or
     # capped it: set what the run reserved (scaling.cpus_per_worker) explicitly.
     torch.set_num_threads(cfg.scaling.torch_threads)
-    data_dir = storage.location(loop_config["data_dir"], "data.path")
+    dataset = Dataset.open(storage.location(loop_config["data_dir"], "data.path"))
     run_dir = storage.location(loop_config["run_dir"])
     progress = loop_config.get("progress")
     context = ray.train.get_context()
@@ -455,12 +457,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     if cfg.scaling.fault_tolerance == "replica":
         from isoloco_ray.workers.replica_mode import train_replica_worker
 
-        train_replica_worker(cfg, data_dir, run_dir, env, progress, loop_config["loopback"],
+        train_replica_worker(cfg, dataset, run_dir, env, progress, loop_config["loopback"],
                              loop_config["ft_timeouts"])
         return None
 
     def build(restore_from: Path | None) -> Trainer:
-        return Trainer(cfg, data_dir, replace(env, restore_from=restore_from))
+        return Trainer(cfg, dataset, replace(env, restore_from=restore_from))
 
     # Ray Train's latest checkpoint, or the newest intact one before it if that is damaged
     # (resume.py). A damaged checkpoint is returned as the run's error, not raised: Ray Train
@@ -494,7 +496,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     summary["torch_threads"] = torch.get_num_threads()  # per worker (every rank sets alike)
     if "error" not in summary:
         try:  # a run without its model is not finished: the error keeps it resumable
-            export_model(trainer.model, data_dir, run_dir / run_files.MODEL_DIR,
+            export_model(trainer.model, dataset, run_dir / run_files.MODEL_DIR,
                          summary.get("diverged"))
         except ExportError as exc:
             summary["error"] = str(exc)

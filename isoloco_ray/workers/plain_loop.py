@@ -21,7 +21,7 @@ import torch
 
 from isoloco_ray import aggregators
 from isoloco_ray.config import TrainConfig
-from isoloco_ray.data.format import DataDir, DatasetMeta
+from isoloco_ray.data.format import DataDir, Dataset
 from isoloco_ray.data.stream import ReplicaStream, read_with_pyarrow, replica_share
 from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.workers.fragments import split_fragments
@@ -34,12 +34,13 @@ def make_replicas(cfg: TrainConfig, data_dir: DataDir) -> list[tuple]:
     """Every replica of a reference loop: (its model, AdamW with its LR schedule, its data
     stream), the model starting from the run's seed."""
     replicas, total = cfg.scaling.replicas, cfg.run.rounds * cfg.inner.steps
-    vocab = DatasetMeta.load(data_dir).vocab_size
+    dataset = Dataset.open(data_dir)
+    vocab = dataset.meta.vocab_size
     out = []
     for r in range(replicas):
         model = build_model(cfg.model, vocab, cfg.run.seed)
         out.append((model, make_inner_optimizer(model, cfg.inner, total),
-                    ReplicaStream(replica_share(data_dir, r, replicas), read_with_pyarrow,
+                    ReplicaStream(replica_share(dataset, r, replicas), read_with_pyarrow,
                                   cfg.data.seq_len, cfg.data.batch_size, vocab_size=vocab)))
     return out
 

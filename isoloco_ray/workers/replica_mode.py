@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 from isoloco_ray import run_files, storage, strict_json
 from isoloco_ray.config import TrainConfig
-from isoloco_ray.data.format import DatasetMeta
+from isoloco_ray.data.format import Dataset
 from isoloco_ray.fault_tolerance import min_quorum
 from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.workers import checkpoint, resume
@@ -55,14 +55,15 @@ from isoloco_ray.workers.round_metrics import Metrics
 END_GRACE_S = 60.0
 END_POLL_S = 1.0
 
-def seated_trainer(cfg: TrainConfig, data_dir: Path, env: WorkerEnv, lighthouse: str, *,
+def seated_trainer(cfg: TrainConfig, data: Path | Dataset, env: WorkerEnv, lighthouse: str, *,
                    timeout: timedelta, quorum_timeout: timedelta,
                    host: str = "127.0.0.1") -> Trainer:
     """Worker `env.rank`'s Trainer with a quorum seat (env.seat is replaced) through which a
     peer that fell behind is healed: the seat's state callbacks are this Trainer's. The
     timeouts are the run's (fault_tolerance.timeouts)."""
     holder: dict[str, Trainer] = {}
-    numel = parameters_of(cfg.model, DatasetMeta.load(data_dir).vocab_size)
+    dataset = Dataset.open(data)
+    numel = parameters_of(cfg.model, dataset.meta.vocab_size)
     if not Route.choose(cfg.outer.quorum_outer(), OuterMerge.of(cfg.outer)).sums:
         numel *= cfg.scaling.replicas_per_worker  # each hosted Δ_r, not their sum
     seat = QuorumSeat(env.rank, cfg.scaling.num_workers, cfg.scaling.replicas, numel,
@@ -74,7 +75,7 @@ def seated_trainer(cfg: TrainConfig, data_dir: Path, env: WorkerEnv, lighthouse:
                       fingerprint=lambda: checkpoint.parameters_checksum(
                           holder["trainer"].global_params))
     try:
-        holder["trainer"] = Trainer(cfg, data_dir, replace(env, seat=seat))
+        holder["trainer"] = Trainer(cfg, dataset, replace(env, seat=seat))
     except BaseException:
         seat.shutdown()
         raise
@@ -174,7 +175,7 @@ def _exit_worker() -> None:
     os._exit(0)
 
 
-def train_replica_worker(cfg: TrainConfig, data_dir: Path, run_dir: Any, env: WorkerEnv,
+def train_replica_worker(cfg: TrainConfig, dataset: Dataset, run_dir: Any, env: WorkerEnv,
                          progress: Any, loopback: bool, timeouts: dict[str, float]) -> None:
     """Ray Train's entry point in `replica` mode, once the WorkerEnv is built: join the
     others (healed by them if they are under way, else resuming from the newest intact
@@ -187,7 +188,7 @@ def train_replica_worker(cfg: TrainConfig, data_dir: Path, run_dir: Any, env: Wo
     env = replace(env, report=QuorumReports(env.rank, run_dir, progress,
                                             cfg.run.keep_checkpoints))
     host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-    trainer = seated_trainer(cfg, data_dir, env, lighthouse_address(loopback),
+    trainer = seated_trainer(cfg, dataset, env, lighthouse_address(loopback),
                              timeout=timedelta(seconds=timeouts["collective"]),
                              quorum_timeout=timedelta(seconds=timeouts["quorum"]), host=host)
     assert trainer.env.seat is not None
@@ -217,7 +218,7 @@ def train_replica_worker(cfg: TrainConfig, data_dir: Path, run_dir: Any, env: Wo
     if warning is not None:
         summary["resume_warning"] = warning
     try:
-        export_model(trainer.model, data_dir, run_dir / run_files.MODEL_DIR,
+        export_model(trainer.model, dataset, run_dir / run_files.MODEL_DIR,
                      summary.get("diverged"))
     except ExportError as exc:  # a run without its model is not finished
         summary["error"] = str(exc)
