@@ -42,7 +42,9 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
     assert [m["round"] for m in metrics] == list(range(41))
     contributors = [m["contributors"] for m in metrics[1:]]
     assert contributors[:2] == [[0, 1, 2]] * 2 and contributors[2] == [0, 2]
-    assert metrics[3]["missing_workers"] == [1] and metrics[3]["quorum"] == [0, 2]
+    # Round 3's quorum holds worker 1's replacement too when it came up in time (healed there,
+    # bringing no Δ): a matter of timing, not of the outcome.
+    assert metrics[3]["missing_workers"] == [1] and metrics[3]["quorum"] in ([0, 2], [0, 1, 2])
     assert contributors[-1] == [0, 1, 2]  # the replacement took part again
     assert all(m["sync_attempts"] == 1 for m in metrics)
     summary = json.loads((run_dir / "summary.json").read_text())

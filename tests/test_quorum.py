@@ -323,7 +323,7 @@ def seated_trainer(cfg, data_dir, rank: int, lighthouse: str, report=None, after
     from isoloco_ray.workers.replica_mode import seated_trainer as seated
 
     env = WorkerEnv(rank=rank, world=3, device=torch.device("cpu"), read_rows=read_with_pyarrow,
-                    report=report or (lambda metrics, _: None), after_replica=after_replica)
+                    report=report or (lambda metrics, _, writer: None), after_replica=after_replica)
     return seated(cfg, data_dir, env, lighthouse, timeout=timedelta(seconds=30),
                   quorum_timeout=timedelta(seconds=60))
 
@@ -338,8 +338,16 @@ def test_trainers_syncing_over_a_quorum_train_as_the_plain_loop_over_quorums(lig
 
     cfg = trainer_config(rounds=3)
     reports: list[list[dict]] = [[] for _ in range(3)]
+    writers: list[set[int]] = [set() for _ in range(3)]  # the rounds each recorded
+
+    def report(rank: int, metrics: dict, writer: bool) -> None:
+        reports[rank].append(metrics)
+        if writer:
+            writers[rank].add(metrics["round"])
+
     trainers = [seated_trainer(cfg, small_dataset, rank, lighthouse,
-                               report=lambda metrics, _, rank=rank: reports[rank].append(metrics))
+                               report=lambda metrics, _, writer, rank=rank:
+                               report(rank, metrics, writer))
                 for rank in range(3)]
     try:
         summaries = in_threads(*[trainer.run for trainer in trainers], timeout=120)
@@ -356,6 +364,8 @@ def test_trainers_syncing_over_a_quorum_train_as_the_plain_loop_over_quorums(lig
         assert len({m["loss"] for m in lines}) == 1 and lines[0]["dropped_replicas"] == []
         assert (lines[0]["quorum"], lines[0]["contributors"], lines[0]["sync_attempts"]) == \
             ([0, 1, 2], [0, 1, 2], 1)
+    # One worker records each round's progress: the lowest in its quorum.
+    assert writers == [{0, 1, 2, 3}, set(), set()]
 
 
 class Lost(Exception):
@@ -378,7 +388,7 @@ def test_a_lost_trainer_is_replaced_and_the_run_goes_on_as_the_plain_loop_over_i
     reports: list[dict] = []
 
     def worker(rank: int, after_replica=None) -> Trainer:
-        report = (lambda metrics, _: reports.append(metrics)) if rank == 0 else None
+        report = (lambda metrics, _, writer: reports.append(metrics)) if rank == 0 else None
         return seated_trainer(cfg, small_dataset, rank, lighthouse, report=report,
                               after_replica=after_replica)
 

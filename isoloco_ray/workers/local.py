@@ -45,7 +45,7 @@ def local_env(rank: int = 0, world: int = 1,
     run right after that round's report. `device`: where the model runs (one worker).
     """
 
-    def report(metrics: Metrics, checkpoint_dir: Path | None) -> None:
+    def report(metrics: Metrics, checkpoint_dir: Path | None, writer: bool) -> None:
         if reports is not None:
             reports.append(metrics)
         if checkpoint_dir is not None and checkpoints is not None:

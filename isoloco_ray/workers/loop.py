@@ -67,9 +67,10 @@ class WorkerEnv:
     world: int
     device: torch.device
     read_rows: RowReader  # reads row ranges of train shards (Ray Data, or pyarrow)
-    # Called by every rank once per round with the metrics and, on checkpoint rounds, the
-    # directory holding this rank's checkpoint files (valid only during the call).
-    report: Callable[[Metrics, Path | None], None]
+    # Called by every rank once per round with the metrics, on checkpoint rounds the
+    # directory holding this rank's checkpoint files (valid only during the call), and whether
+    # this rank is the one that records the run's progress (Trainer.writes_run_files).
+    report: Callable[[Metrics, Path | None, bool], None]
     restore_from: Path | None = None  # a checkpoint directory to resume from
     # Given the bytes of a checkpoint (every rank's files), why it will not fit where it goes,
     # or None; asked on rank 0 before each checkpoint (storage.checkpoint_room).
@@ -240,7 +241,8 @@ class Trainer:
                 self.initial_eval_loss = self.last_eval_loss = self.evaluate()
                 env.report(RoundMetrics(round=0, tokens=0, eval_loss=self.initial_eval_loss,
                                         eval_perplexity=perplexity(self.initial_eval_loss),
-                                        **self.runner.quorum_metrics()).as_dict(), None)
+                                        **self.runner.quorum_metrics()).as_dict(), None,
+                           self.writes_run_files())
             self._train_rounds()
         except TrainingStopped as stop:
             # Returned, not raised: a retry from the last checkpoint would only repeat it.
@@ -342,9 +344,9 @@ class Trainer:
                     stop_unless_checkpoint_fits(Path(directory), self.round,
                                                 0 if env.seat is not None else env.rank,
                                                 env.device, env.checkpoint_room)
-                    env.report(metrics.as_dict(), Path(directory))
+                    env.report(metrics.as_dict(), Path(directory), self.writes_run_files())
             else:
-                env.report(metrics.as_dict(), None)
+                env.report(metrics.as_dict(), None, self.writes_run_files())
 
     def divergence(self) -> str | None:
         """Why a run that reached its end is still no success, or None: its last rounds were
@@ -438,8 +440,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     context = ray.train.get_context()
     rank = context.get_world_rank()
 
-    def report(metrics: Metrics, checkpoint_dir: Path | None) -> None:
-        if rank == 0 and progress is not None:
+    def report(metrics: Metrics, checkpoint_dir: Path | None, writer: bool) -> None:
+        if writer and progress is not None:
             progress.put(metrics)
         saved = None if checkpoint_dir is None else ray.train.Checkpoint.from_directory(
             checkpoint_dir)

@@ -114,12 +114,11 @@ def stored_checkpoints(run_dir: Any) -> list[Any]:
 class QuorumReports:
     """WorkerEnv.report of a seated worker: progress and checkpoints (the module's docstring)."""
 
-    def __init__(self, rank: int, run_dir: Any, progress: Any, keep: int) -> None:
-        self.rank, self.run_dir, self.progress = rank, run_dir, progress
+    def __init__(self, run_dir: Any, progress: Any, keep: int) -> None:
+        self.run_dir, self.progress = run_dir, progress
         self.keep = keep + 1  # the newest may lack a lost worker's replicas
 
-    def __call__(self, metrics: Metrics, directory: Path | None) -> None:
-        writer = metrics.get("quorum", [self.rank])[0] == self.rank
+    def __call__(self, metrics: Metrics, directory: Path | None, writer: bool) -> None:
         if writer and self.progress is not None:
             self.progress.put(metrics)
         if directory is None:
@@ -185,8 +184,7 @@ def train_replica_worker(cfg: TrainConfig, dataset: Dataset, run_dir: Any, env: 
         return  # a replacement started after the run ended
     import ray
 
-    env = replace(env, report=QuorumReports(env.rank, run_dir, progress,
-                                            cfg.run.keep_checkpoints))
+    env = replace(env, report=QuorumReports(run_dir, progress, cfg.run.keep_checkpoints))
     host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
     trainer = seated_trainer(cfg, dataset, env, lighthouse_address(loopback),
                              timeout=timedelta(seconds=timeouts["collective"]),
