@@ -4,6 +4,11 @@
 1. Split by document, deterministically from ``seed``: shuffle, then the first documents go to
    valid and test until each holds its fraction of the characters, the rest to train. The
    shuffled order is also the packing order, so every train shard mixes all sources.
+   Streamed corpora (corpus.py) split by a per-document hash instead, as a stream cannot be
+   shuffled without holding it. Two rules on purpose: the demo's corpus is its sources one
+   after the other (Shakespeare's works, then wiki pages), which a shuffle spreads evenly over
+   every shard, and moving it to the hash would change the demo's bytes and every figure
+   measured on it.
 2. Tokenizer: a given Hugging Face tokenizer, or a byte-level BPE trained on the train documents
    only. Saved to ``DIR/tokenizer``.
 3. Each document is tokenized (in batches) with EOS appended; the split's token stream is cut
