@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from isoloco_ray.config import ConfigError, TrainConfig
+from isoloco_ray.metrics import RoundMetrics, RunSummary
 
 INSTALL_HINT = "pip install 'isoloco_ray[ft]' (pip install -e '.[ft]' in a checkout)"
 
@@ -69,15 +70,16 @@ def quorum_summary(lines: Iterable[str]) -> dict[str, Any]:
     `worker_losses`, the times a worker that brought a Δ to one round brought none to the
     next (lost, or stalled past the lighthouse's wait); `rounds_with_missing_workers`; and
     `max_quorum_wait_seconds`, the longest a round's writer waited for its quorum."""
-    rounds: dict[int, dict[str, Any]] = {}
+    rounds: dict[int, RoundMetrics] = {}
     for line in lines:
-        record = json.loads(line)
-        if record.get("round", 0) > 0 and "contributors" in record:
-            rounds[record["round"]] = record
+        record = RoundMetrics.from_dict(json.loads(line))
+        if record.round > 0 and record.contributors is not None:
+            rounds[record.round] = record
     ordered = [rounds[index] for index in sorted(rounds)]
-    losses = sum(len(set(before["contributors"]) - set(after["contributors"]))
+    losses = sum(len(set(before.contributors or ()) - set(after.contributors or ()))
                  for before, after in zip(ordered, ordered[1:]))
-    return {"worker_losses": losses,
-            "rounds_with_missing_workers": sum(bool(r["missing_workers"]) for r in ordered),
-            "max_quorum_wait_seconds": max((r["quorum_wait_seconds"] for r in ordered),
-                                           default=0.0)}
+    return RunSummary(
+        worker_losses=losses,
+        rounds_with_missing_workers=sum(bool(r.missing_workers) for r in ordered),
+        max_quorum_wait_seconds=max((r.quorum_wait_seconds or 0.0 for r in ordered),
+                                    default=0.0)).as_dict()
