@@ -23,9 +23,9 @@ import numpy as np
 
 from isoloco_ray.data.format import (DatasetMeta, ShardInfo, SplitInfo, shard_name,
                                      write_blocks)
-from isoloco_ray.data.stream import (ReplicaStream, RowReader, StreamPosition,
-                                     closing,
-                                     read_with_pyarrow, read_with_ray_data, replica_share)
+from isoloco_ray.data.ray_reader import read_with_ray_data
+from isoloco_ray.data.stream import (ReplicaStream, RowReader, StreamPosition, closing,
+                                     read_with_pyarrow, replica_share)
 from isoloco_ray.testing import exit_after
 
 BLOCK_LEN = 2048

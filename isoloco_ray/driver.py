@@ -128,7 +128,7 @@ def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Eve
 def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any = None,
                   callbacks: Sequence[Any] = ()) -> Any:
     """The Ray Train TorchTrainer of one run (R/V workers; each streams its replicas' shares
-    with Ray Data itself, from their positions: `stream.read_with_ray_data`).
+    with Ray Data itself, from their positions: `data.ray_reader.read_with_ray_data`).
 
     `progress`: a ray.util.queue.Queue that rank 0 puts every report on; `callbacks`: Ray
     Train callbacks (e.g. Tune's TuneReportCallback).

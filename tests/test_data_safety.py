@@ -32,8 +32,9 @@ from isoloco_ray.data import checks, demo, documents, prepare
 from isoloco_ray.data.format import (
     DataError, DatasetMeta, read_blocks, split_files, verify, write_blocks,
 )
+from isoloco_ray.data.ray_reader import read_with_ray_data
 from isoloco_ray.data.stream import (
-    ReplicaStream, ShardBlocks, read_with_pyarrow, read_with_ray_data, replica_share,
+    ReplicaStream, ShardBlocks, read_with_pyarrow, replica_share,
 )
 
 from isoloco_ray.testing import synthetic_documents

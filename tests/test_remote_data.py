@@ -16,8 +16,8 @@ from isoloco_ray.config import ConfigError, load_config
 from isoloco_ray.data import checks
 from isoloco_ray.data.format import (STAMP_FILE, DataError, DatasetMeta, load_tokenizer,
                                      split_files, verify)
-from isoloco_ray.data.stream import (ReplicaStream, read_with_pyarrow, read_with_ray_data,
-                                     replica_share)
+from isoloco_ray.data.ray_reader import read_with_ray_data
+from isoloco_ray.data.stream import ReplicaStream, read_with_pyarrow, replica_share
 
 OK = dict(model_vocab_size=None, seq_len=64, replicas=2, batch_size=4)
 

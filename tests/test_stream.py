@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from isoloco_ray.data.format import read_blocks, share_of_rows, split_files
+from isoloco_ray.data.ray_reader import read_with_ray_data
 from isoloco_ray.data.stream import (ReplicaShare, ReplicaStream, ShardRange, StreamPosition,
-                                     read_with_pyarrow, read_with_ray_data, replica_share)
+                                     read_with_pyarrow, replica_share)
 
 
 def blocks_of(ranges):
@@ -148,10 +149,10 @@ def test_share_after_skips_whole_and_partial_ranges():
     assert share.after(10) == []
 
 
-def test_ray_source_reads_exactly_the_ranges_in_small_tables(small_dataset):
+def test_ray_reader_reads_exactly_the_ranges_in_small_tables(small_dataset):
     """The read task's tables: the ranges' rows only, in order, each row with its file, at
     most rows_per_block rows each (what Ray Data then hands on)."""
-    from isoloco_ray.data.ray_source import read_ranges
+    from isoloco_ray.data.ray_reader import read_ranges
 
     share = replica_share(small_dataset, 0, 3)
     ranges = share.after(share.rows // 2 + 3)

@@ -5,8 +5,9 @@ are fewer shards than replicas, the r-th of R contiguous, near-equal row ranges 
 (`format.share_of_rows`), whatever the worker layout, so moving replicas between workers never
 changes what they train on: its `ReplicaShare`. A run longer than a share reads it again, in
 the same order (epochs). On Ray the worker hosting a replica streams its rows with Ray Data
-(`read_with_ray_data`); without Ray (tests, single-process loops) the same rows are read with
-pyarrow (`read_with_pyarrow`). Both feed `ReplicaStream`, which cuts blocks into sequences,
+(`ray_reader.read_with_ray_data`, in a module of its own that imports Ray and this one);
+without Ray (tests, single-process loops) the same rows are read with pyarrow
+(`read_with_pyarrow`). Both feed `ReplicaStream`, which cuts blocks into sequences,
 groups them into batches and counts what it consumed (epoch, sequences); the shard and row of
 a count follow from the shards' row counts, so a resumed stream opens its reader at that
 shard and row, at the same cost anywhere in the data.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -51,10 +52,6 @@ class ShardBlocks:
 
 T = TypeVar("T")
 
-# Ray Data's column with each row's file, added by read_parquet(include_paths=True).
-PATH_COLUMN = "path"
-BLOCK_BYTES = 4 << 20  # Ray Data's block size in a replica's reader
-ROWS_PER_BLOCK = 256  # rows in each table the read task yields
 
 
 @dataclass(frozen=True)
@@ -128,80 +125,6 @@ def read_with_pyarrow(ranges: Sequence[ShardRange]) -> Iterator[ShardBlocks]:
     """The rows of `ranges` (local shards or at a URI), read with pyarrow (no Ray)."""
     for part in ranges:
         yield ShardBlocks(read_blocks(part.path)[part.start:part.stop], str(part.path))
-
-
-def read_with_ray_data(ranges: Sequence[ShardRange], rows_per_batch: int = 256
-                       ) -> Iterator[ShardBlocks]:
-    """The rows of `ranges`, streamed by Ray Data from this process (a Ray Train worker).
-
-    One dataset over the ranges, made here when a stream opens (at its start or at a resumed
-    position: reading begins at the position's shard and row, whatever came before it), read
-    by one task (`ray_source.ShardRangesSource`) that streams the rows in order in small
-    blocks, each row with its shard file (the `path` column) for error messages. Nothing is
-    planned with other tasks, so opening a stream costs the same anywhere in a share of any
-    size, and needs no free CPU (`reader_task_options`).
-
-    One task, not one per shard: Ray Data's executor polls without pause once all of a
-    dataset's read tasks have finished while the consumer has not taken their output yet (Ray
-    2.60, `process_completed_tasks` waits only on running tasks). With a task per shard of
-    small data that is at once, and it took half a core from every worker's training for the
-    whole run (2.3x slower rounds of the demo); a single streaming task stays running, held
-    back by the consumer, to the end of its ranges. One sequential reader per replica is far
-    faster than training consumes tokens."""
-    import ray.data
-
-    from isoloco_ray.data.ray_source import ShardRangesSource
-
-    if not ranges:
-        return
-    context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = False
-    context.execution_options.preserve_order = True
-    # Blocks as the task yields them: at Ray's default (128 MiB) its output buffer would hold
-    # the first rows back until 128 MiB of shards (8 of a 178M run's) had been read.
-    context.target_max_block_size = BLOCK_BYTES
-    dataset = ray.data.read_datasource(
-        ShardRangesSource(ranges, rows_per_block=ROWS_PER_BLOCK), override_num_blocks=1,
-        ray_remote_args=reader_task_options())
-    with closing(iter(dataset.iter_batches(batch_size=rows_per_batch, batch_format="numpy",
-                                           prefetch_batches=2))) as batches:
-        try:
-            for batch in batches:
-                yield ShardBlocks(np.stack(batch["tokens"]), batch[PATH_COLUMN])
-        except Exception as exc:  # noqa: BLE001 - re-raised unless the read task's DataError
-            cause = data_error_in(exc)
-            if cause is None:
-                raise
-            # Its one-line message (read_tokens), without the read task's traceback that Ray's
-            # wrapper prints or the retry advice Ray Data appends on lines of its own.
-            raise DataError(str(cause).split("\n", 1)[0]) from None
-
-
-def data_error_in(exc: BaseException) -> DataError | None:
-    """The DataError a Ray task raised, from the exception it reached this process as (Ray's
-    RayTaskError subclasses it and keeps the original as `cause`; Ray Data may wrap that in
-    turn), or None."""
-    for _ in range(8):  # a few wrappers deep at most
-        wrapped = getattr(exc, "cause", None)
-        if isinstance(exc, DataError) and not isinstance(wrapped, BaseException):
-            return exc
-        inner = wrapped if isinstance(wrapped, BaseException) else exc.__cause__
-        if inner is None:
-            return None
-        exc = inner
-    return None
-
-
-def reader_task_options() -> dict[str, Any]:
-    """Ray options of a replica's read task: no CPU reservation, on this worker's node if it
-    can. The task is one sequential parquet reader held back by the training it feeds; were
-    it to wait for a free CPU it could wait forever on a cluster whose CPUs all hold training
-    workers (as after an elastic restart on the nodes left), and its worker with it."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(
-        ray.get_runtime_context().get_node_id(), soft=True)}
 
 
 def check_token_ids(blocks: ShardBlocks, vocab_size: int) -> None:

@@ -428,7 +428,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     import ray.train
     import ray.train.torch
 
-    from isoloco_ray.data.stream import read_with_ray_data
+    from isoloco_ray.data.ray_reader import read_with_ray_data
 
     cfg = TrainConfig.model_validate(loop_config["config"])
     # Ray gives OMP_NUM_THREADS the worker's whole CPUs, but torch may have read it before, or
