@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from isoloco_ray.config import MODEL_PRESETS, load_config
-from isoloco_ray.data.documents import ensure_demo_data
+from isoloco_ray.data.prepare.documents import ensure_demo_data
 from isoloco_ray.workers.local import local_env
 from isoloco_ray.workers.loop import Trainer
 

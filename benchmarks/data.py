@@ -76,8 +76,8 @@ def child_corpus(words: int, out: str) -> dict:
 def child_tokenizer(source_dir: str, out: str) -> dict:
     import itertools
 
-    from isoloco_ray.data import encoding
-    from isoloco_ray.data.sources import open_source
+    from isoloco_ray.data.prepare import encoding
+    from isoloco_ray.data.prepare.sources import open_source
 
     documents = open_source(source_dir).documents()
     sample = itertools.islice(documents, 4000)  # about 1 M words
@@ -88,13 +88,13 @@ def child_tokenizer(source_dir: str, out: str) -> dict:
 def child_ceiling(source_dir: str, tokenizer_dir: str) -> dict:
     from transformers import AutoTokenizer
 
-    from isoloco_ray.data import corpus, encoding
-    from isoloco_ray.data.sources import open_source
+    from isoloco_ray.data.prepare import encoding, tokenizing
+    from isoloco_ray.data.prepare.sources import open_source
 
     encoder = encoding.encoder(AutoTokenizer.from_pretrained(tokenizer_dir))
     documents = open_source(source_dir).documents()
     tokens, seconds = 0, 0.0
-    while batch := [text for _, text in zip(range(corpus.CORPUS_BATCH), documents)]:
+    while batch := [text for _, text in zip(range(tokenizing.CORPUS_BATCH), documents)]:
         start = time.perf_counter()
         encoded = encoder.encode_batch_fast(batch, add_special_tokens=False)
         seconds += time.perf_counter() - start
@@ -105,8 +105,8 @@ def child_ceiling(source_dir: str, tokenizer_dir: str) -> dict:
 
 def child_prepare(source_dir: str, engine: str, workers: int, out: str,
                   tokenizer_dir: str) -> dict:
-    from isoloco_ray.data import corpus
-    from isoloco_ray.data.sources import open_source
+    from isoloco_ray.data.prepare import corpus
+    from isoloco_ray.data.prepare.sources import open_source
 
     ray_start = 0.0
     if engine == "ray":
@@ -136,14 +136,14 @@ def child_driver(source_dir: str, out: str, tokenizer_dir: str) -> dict:
     beforehand: the throughput no number of tokenizing actors can exceed."""
     from transformers import AutoTokenizer
 
-    from isoloco_ray.data import corpus, encoding
-    from isoloco_ray.data.sources import open_source
+    from isoloco_ray.data.prepare import corpus, encoding, tokenizing
+    from isoloco_ray.data.prepare.sources import open_source
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     source = open_source(source_dir)
-    batches = list(corpus.local_tokenized_batches(source.documents_from(0, 0),
-                                                  encoding.backend_json(tokenizer),
-                                                  tokenizer.eos_token_id, None, 1))
+    batches = list(tokenizing.local_tokenized_batches(source.documents_from(0, 0),
+                                                      encoding.backend_json(tokenizer),
+                                                      tokenizer.eos_token_id, None, 1))
     settings = corpus.CorpusSettings(source=source.name, tokenizer=tokenizer_dir,
                                       block_len=2048, shard_blocks=(1 << 22) // 2048)
     Path(out).mkdir()

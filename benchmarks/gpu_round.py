@@ -25,7 +25,7 @@ from isoloco_ray.workers.loop import Trainer
 
 def synthetic_data(out: Path, documents: int, block_len: int) -> Path:
     """A prepared dataset of generated sentences in `out` (reused when already there)."""
-    from isoloco_ray.data.documents import prepare_dataset
+    from isoloco_ray.data.prepare.documents import prepare_dataset
 
     if (out / "meta.json").is_file():
         return out

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from isoloco_ray.config import load_config
-from isoloco_ray.data.documents import ensure_demo_data
+from isoloco_ray.data.prepare.documents import ensure_demo_data
 from isoloco_ray.workers.local import run_local
 from isoloco_ray.workers.outer.step import OuterSync
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from isoloco_ray.config import load_config
-from isoloco_ray.data.documents import ensure_demo_data
+from isoloco_ray.data.prepare.documents import ensure_demo_data
 from isoloco_ray.testing import exit_after
 from isoloco_ray.workers.local import run_local
 

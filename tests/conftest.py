@@ -60,7 +60,7 @@ def _gloo_processes_kept():
 @pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory):
     """A prepared dataset (format.py): BPE vocab 384, blocks of 64 tokens, 16 blocks a shard."""
-    from isoloco_ray.data.documents import prepare_dataset
+    from isoloco_ray.data.prepare.documents import prepare_dataset
 
     out = tmp_path_factory.mktemp("data") / "small"
     prepare_dataset(synthetic_documents(600), out, vocab_size=384, block_len=64,

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from isoloco_ray.data import demo, documents, encoding, packing, prepare
+from isoloco_ray.data.prepare import demo, documents, encoding, packing, cli as prepare_cli
 from isoloco_ray.data.format import (
     SPLITS, DataError, DatasetMeta, read_blocks, sha256_file, split_files, verify, write_blocks,
 )
@@ -308,18 +308,18 @@ def test_ensure_demo_data_prepares_once_and_repairs(fake_demo: dict[str, int],
 def test_cli(fake_demo: dict[str, int], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ([], ["--demo", "--block-len", "0"], ["--demo", "--vocab-size", "100"]):
         with pytest.raises(SystemExit) as exc:
-            prepare.main(bad)
+            prepare_cli.main(bad)
         assert exc.value.code == 2
     block_len = str(SETTINGS["block_len"])
     args = ["--demo", "--block-len", block_len, "--vocab-size", "400", "--shard-blocks", "32"]
-    assert prepare.main(args) == 0
+    assert prepare_cli.main(args) == 0
     assert "train:" in capsys.readouterr().out and fake_demo["n"] == 1
-    assert prepare.main(args) == 0  # default --out, already there
+    assert prepare_cli.main(args) == 0  # default --out, already there
     assert "already prepared" in capsys.readouterr().out and fake_demo["n"] == 1
     out = str(tmp_path / "cache" / "demo")
-    assert prepare.main(args + ["--out", out]) == 2
+    assert prepare_cli.main(args + ["--out", out]) == 2
     assert "--overwrite" in capsys.readouterr().err
-    assert prepare.main(args + ["--out", out, "--overwrite", "--seed", "4"]) == 0
+    assert prepare_cli.main(args + ["--out", out, "--overwrite", "--seed", "4"]) == 0
     assert DatasetMeta.load(out).seed == 4
 
 

@@ -28,7 +28,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from isoloco_ray.data import checks, demo, documents, prepare
+from isoloco_ray.data import checks
+
+from isoloco_ray.data.prepare import demo, documents, cli as prepare_cli
 from isoloco_ray.data.format import (
     DataError, DatasetMeta, read_blocks, split_files, verify, write_blocks,
 )
@@ -61,8 +63,8 @@ def text_source(root: Path, count: int = 60, seed: int = 3) -> Path:
 
 
 def cli(args: list[object], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    """``prepare.main(args)``: (exit status, stderr)."""
-    code = prepare.main([str(a) for a in args])
+    """``prepare_cli.main(args)``: (exit status, stderr)."""
+    code = prepare_cli.main([str(a) for a in args])
     return code, capsys.readouterr().err
 
 

@@ -14,8 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from isoloco_ray.data import corpus as corpus_pipeline
-from isoloco_ray.data import npy_import, packing, prepare, sources
+from isoloco_ray.data.prepare import corpus as corpus_pipeline
+from isoloco_ray.data.prepare import cli as prepare_cli
+from isoloco_ray.data.prepare import npy_import, packing, sources, tokenizing
 from isoloco_ray.data.checks import check_layout
 from isoloco_ray.data.format import SPLITS, DataError, DatasetMeta, read_blocks, split_files, verify
 from isoloco_ray.data.stream import replica_share
@@ -131,10 +132,10 @@ def test_rerun_is_idempotent_and_other_settings_refused(corpus: tuple[Path, Path
     args = ["--source", str(root), "--tokenizer", "train-bpe:300", "--out", str(out),
             "--block-len", "32", "--shard-blocks", "8", "--seed", "1", "--valid-fraction", "0.1",
             "--test-fraction", "0.1", "--workers", "1", "--quiet"]
-    assert prepare.main(args) == 0
+    assert prepare_cli.main(args) == 0
     assert "already prepared" in capsys.readouterr().out
     other = [("2" if a == "1" and args[i - 1] == "--seed" else a) for i, a in enumerate(args)]
-    assert prepare.main(other) == 2
+    assert prepare_cli.main(other) == 2
     assert "--overwrite" in capsys.readouterr().err
 
 
@@ -151,7 +152,7 @@ def _interrupt_at_write(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
         return real(path, blocks)
 
     monkeypatch.setattr(packing, "write_blocks", flaky)
-    monkeypatch.setattr(corpus_pipeline, "CORPUS_BATCH", 16)
+    monkeypatch.setattr(tokenizing, "CORPUS_BATCH", 16)
 
 
 def _interrupted(src: sources.TextSource, out: Path, engine: str,
@@ -199,7 +200,7 @@ def test_ray_engine_writes_the_local_engines_bytes(ray_cluster: None, corpus: tu
     args = ["--source", str(root), "--tokenizer", "train-bpe:300", "--out", str(tmp_path / "ds"),
             "--block-len", "32", "--shard-blocks", "8", "--seed", "1", "--valid-fraction", "0.1",
             "--test-fraction", "0.1", "--engine", "ray", "--workers", "2", "--quiet"]
-    assert prepare.main(args) == 0
+    assert prepare_cli.main(args) == 0
     _same_files(reference, tmp_path / "ds")  # shards, meta.json and tokenizer, byte for byte
 
 
@@ -237,7 +238,7 @@ def test_ray_engine_needs_files(tmp_path: Path) -> None:
 
 
 def test_read_tasks_group_consecutive_files(tmp_path: Path) -> None:
-    from isoloco_ray.data.ray_tokenize import read_task_files
+    from isoloco_ray.data.prepare.ray_tokenize import read_task_files
 
     files = []
     for i, size in enumerate([10, 10, 10, 50, 5, 5]):
@@ -255,7 +256,7 @@ def test_progress_bar_shows_rate_and_files(corpus: tuple[Path, Path], tmp_path: 
     root, _ = corpus
     args = ["--source", str(root), "--tokenizer", "train-bpe:300", "--out", str(tmp_path / "ds"),
             "--block-len", "32", "--shard-blocks", "8", "--workers", "1"]
-    assert prepare.main(args) == 0
+    assert prepare_cli.main(args) == 0
     err = capsys.readouterr().err
     assert "train tokens" in err and "tok/s" in err and "file 42/42" in err
 
@@ -290,8 +291,8 @@ def test_from_npy_keeps_the_file_split(tmp_path: Path, small_dataset: Path) -> N
         **{f"train_{i:06d}.npy": 1000 for i in range(3)}, "valid_000000.npy": 300})
     tok = str(small_dataset / "tokenizer")
     out = tmp_path / "out"
-    assert prepare.main(["--from-npy", str(npy), "--tokenizer", tok, "--out", str(out),
-                         "--block-len", "64", "--shard-blocks", "10"]) == 0
+    assert prepare_cli.main(["--from-npy", str(npy), "--tokenizer", tok, "--out", str(out),
+                             "--block-len", "64", "--shard-blocks", "10"]) == 0
     meta = verify(out)
     train = meta.split("train")
     # 15 whole blocks a file (960 tokens, 40 dropped), in shards of 8 and 7 blocks.
@@ -318,8 +319,9 @@ def test_from_npy_gives_one_shard_per_worker_file_by_default(tmp_path: Path,
     _npy_arrays(npy, 384, {**{f"train_{i:06d}.npy": 700 for i in range(4)},
                            "valid_000000.npy": 200})
     out = tmp_path / "out"
-    assert prepare.main(["--from-npy", str(npy), "--tokenizer", str(small_dataset / "tokenizer"),
-                         "--out", str(out), "--block-len", "64"]) == 0
+    tokenizer = str(small_dataset / "tokenizer")
+    assert prepare_cli.main(["--from-npy", str(npy), "--tokenizer", tokenizer,
+                             "--out", str(out), "--block-len", "64"]) == 0
     meta = DatasetMeta.load(out)
     assert [s.rows for s in meta.split("train").shards] == [10, 10, 10, 10]
     check_layout(out, meta, seq_len=64, replicas=4, batch_size=10)
@@ -338,8 +340,9 @@ def test_from_npy_refuses_files_without_a_whole_block(tmp_path: Path, small_data
     npy = tmp_path / "npy"
     _npy_arrays(npy, 384, {"train_000000.npy": 40, "train_000001.npy": 40,
                            "valid_000000.npy": 200})
-    assert prepare.main(["--from-npy", str(npy), "--tokenizer", str(small_dataset / "tokenizer"),
-                         "--out", str(tmp_path / "out"), "--block-len", "64"]) == 2
+    tokenizer = str(small_dataset / "tokenizer")
+    assert prepare_cli.main(["--from-npy", str(npy), "--tokenizer", tokenizer,
+                             "--out", str(tmp_path / "out"), "--block-len", "64"]) == 2
     assert capsys.readouterr().err == (
         f"error: --from-npy {npy}: the train arrays hold 80 tokens, but none of its 2 files "
         "holds a whole block of 64 (--block-len), and a block never spans two files; use a "

@@ -16,7 +16,7 @@ import pytest
 from isoloco_ray import evaluate
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DatasetMeta
-from isoloco_ray.data.npy_import import prepare_from_npy
+from isoloco_ray.data.prepare.npy_import import prepare_from_npy
 from isoloco_ray.driver import write_summary
 from isoloco_ray.workers.export import export_model
 from isoloco_ray.workers.local import run_local

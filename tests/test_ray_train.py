@@ -151,7 +151,7 @@ def test_a_one_shard_corpus_trains_several_replicas_over_several_epochs(ray_clus
     """A small corpus prepared with default shard sizes (one train shard) trains R = 3
     replicas, each on its own row range, for more than one epoch, and ends where the Ray-free
     run does, bit for bit (Ray Data's row ranges and epoch restarts read what pyarrow reads)."""
-    from isoloco_ray.data.documents import prepare_dataset
+    from isoloco_ray.data.prepare.documents import prepare_dataset
     from isoloco_ray.testing import synthetic_documents
     from isoloco_ray.workers.local import run_local
 

@@ -243,7 +243,7 @@ def resolve_data_dir(cfg: TrainConfig) -> DataDir:
     """The prepared data directory: `data.path` (a local path, made absolute, or a URI), or the
     demo corpus (prepared on first use) for the models it is meant for."""
     if cfg.data.path is None:
-        from isoloco_ray.data.documents import ensure_demo_data
+        from isoloco_ray.data.prepare.documents import ensure_demo_data
 
         check_demo_fallback(cfg)
         return ensure_demo_data()

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import numpy as np
 
-from isoloco_ray.data.corpus import DEFAULT_SHARD_TOKENS, CorpusSettings, resolve_tokenizer
-from isoloco_ray.data.encoding import save_tokenizer
 from isoloco_ray.data.format import (
     SPLITS,
     TOKENIZER_DIR,
@@ -23,8 +21,10 @@ from isoloco_ray.data.format import (
     shard_name,
     write_blocks,
 )
-from isoloco_ray.data.sources import TextSource, npy_token_files
-from isoloco_ray.data.staging import NOTHING_KEPT_NPY, locked, staged
+from isoloco_ray.data.prepare.corpus import DEFAULT_SHARD_TOKENS, CorpusSettings, resolve_tokenizer
+from isoloco_ray.data.prepare.encoding import save_tokenizer
+from isoloco_ray.data.prepare.sources import TextSource, npy_token_files
+from isoloco_ray.data.prepare.staging import NOTHING_KEPT_NPY, locked, staged
 
 
 def prepare_from_npy(npy_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,

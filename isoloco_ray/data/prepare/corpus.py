@@ -18,27 +18,17 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import multiprocessing
 import os
 import shutil
-import signal
 import sys
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import numpy as np
 
 from isoloco_ray import strict_json
-from isoloco_ray.data.encoding import (
-    backend_json,
-    encode_batch,
-    encoder_from_json,
-    save_tokenizer,
-    train_bpe_tokenizer,
-)
 from isoloco_ray.data.format import (
     SPLITS,
     TOKENIZER_DIR,
@@ -47,17 +37,20 @@ from isoloco_ray.data.format import (
     ShardInfo,
     SplitInfo,
 )
-from isoloco_ray.data.packing import BlockPacker, ShardWriter
-from isoloco_ray.data.sources import TextSource
-from isoloco_ray.data.staging import NOTHING_KEPT, check_replaceable, locked, publish
+from isoloco_ray.data.prepare.encoding import (
+    backend_json,
+    save_tokenizer,
+    train_bpe_tokenizer,
+)
+from isoloco_ray.data.prepare.packing import BlockPacker, ShardWriter
+from isoloco_ray.data.prepare.sources import TextSource
+from isoloco_ray.data.prepare.staging import NOTHING_KEPT, check_replaceable, locked, publish
+from isoloco_ray.data.prepare.tokenizing import TokenizedBatch, local_tokenized_batches
 
 PROGRESS_FILE = "progress.json"
 DEFAULT_SHARD_TOKENS = 1 << 24      # 16 M tokens = 64 MB of int32 per shard
 DEFAULT_BPE_CHARS = 50_000_000      # text a train-bpe tokenizer learns from
-CORPUS_BATCH = 512                  # documents per task of the tokenizing pool
 ENGINES = ("local", "ray")
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -102,65 +95,6 @@ def document_split(seed: int, index: int, valid_fraction: float, test_fraction: 
     if u < valid_fraction + test_fraction:
         return "test"
     return "train"
-
-
-class TokenizedBatch(NamedTuple):
-    """A batch of documents tokenized: every document as [BOS] ids EOS in one int32 ``stream``,
-    the ``lengths`` of the documents in it, and the source file index of each (``files``)."""
-
-    stream: np.ndarray
-    lengths: np.ndarray
-    files: np.ndarray
-
-
-_WORKER_ENCODER: Any = None
-
-
-def _init_worker(tokenizer_json: str) -> None:
-    global _WORKER_ENCODER
-    # Ctrl-C reaches the whole process group: the parent handles it (and terminates the pool);
-    # workers would only print tracebacks.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ["RAYON_NUM_THREADS"] = "1"  # one core per worker: W workers use W cores
-    _WORKER_ENCODER = encoder_from_json(tokenizer_json)
-
-
-def _encode_in_worker(texts: list[str], eos_id: int,
-                      bos_id: int | None) -> tuple[np.ndarray, np.ndarray]:
-    return encode_batch(_WORKER_ENCODER, texts, eos_id, bos_id)
-
-
-def local_tokenized_batches(documents: Iterable[tuple[int, str]], tokenizer_json: str,
-                            eos_id: int, bos_id: int | None,
-                            workers: int) -> Iterator[TokenizedBatch]:
-    """The local engine: ``encode_batch`` of every ``CORPUS_BATCH`` (file index, document)
-    pairs, in order; ``workers > 1`` spreads batches over a process pool with at most 2
-    batches per process in flight (Pool.imap would read the whole source)."""
-    batches = ((np.array([f for f, _ in batch], dtype=np.int64), [t for _, t in batch])
-               for batch in _batched(documents, CORPUS_BATCH))
-    if workers <= 1:
-        enc = encoder_from_json(tokenizer_json)
-        for files, texts in batches:
-            yield TokenizedBatch(*encode_batch(enc, texts, eos_id, bos_id), files)
-        return
-    # spawn, not fork: forking after the Rust tokenizer used its thread pool can deadlock.
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer_json,)) as pool:
-        pending: deque[Any] = deque()
-        for files, texts in batches:
-            pending.append((files, pool.apply_async(_encode_in_worker, (texts, eos_id, bos_id))))
-            if len(pending) >= 2 * workers:
-                files, result = pending.popleft()
-                yield TokenizedBatch(*result.get(), files)
-        while pending:
-            files, result = pending.popleft()
-            yield TokenizedBatch(*result.get(), files)
-
-
-def _batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
-    it = iter(items)
-    while batch := list(itertools.islice(it, size)):
-        yield batch
 
 
 def resolve_tokenizer(spec: str, source: TextSource, settings: CorpusSettings) -> Any:
@@ -442,7 +376,7 @@ def _stream_into(run: _Run, source: TextSource, tokenizer: Any, bos_id: int | No
     with contextlib.ExitStack() as stack:
         stack.callback(bar.close)  # ends the bar's line before any message
         if engine == "ray":
-            from isoloco_ray.data import ray_tokenize
+            from isoloco_ray.data.prepare import ray_tokenize
 
             actors = stack.enter_context(ray_tokenize.ray_running(workers))
             batches = ray_tokenize.ray_tokenized_batches(source, file, skip, *encoding, actors)

@@ -20,13 +20,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from isoloco_ray.data import documents
-from isoloco_ray.data.corpus import DEFAULT_SHARD_TOKENS, ENGINES, CorpusSettings, prepare_corpus
-from isoloco_ray.data.documents import default_demo_dir, is_current_demo, prepare_demo
 from isoloco_ray.data.format import SPLITS, DataError, DatasetMeta, verify
-from isoloco_ray.data.npy_import import prepare_from_npy
-from isoloco_ray.data.sources import open_source
-from isoloco_ray.data.staging import NOTHING_KEPT, NOTHING_KEPT_NPY
+from isoloco_ray.data.prepare import documents
+from isoloco_ray.data.prepare.corpus import (
+    DEFAULT_SHARD_TOKENS,
+    ENGINES,
+    CorpusSettings,
+    prepare_corpus,
+)
+from isoloco_ray.data.prepare.documents import default_demo_dir, is_current_demo, prepare_demo
+from isoloco_ray.data.prepare.npy_import import prepare_from_npy
+from isoloco_ray.data.prepare.sources import open_source
+from isoloco_ray.data.prepare.staging import NOTHING_KEPT, NOTHING_KEPT_NPY
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -210,7 +215,3 @@ def _already_prepared(out_dir: Path, settings: CorpusSettings) -> bool:
     except DataError:
         return False
     return meta.source.endswith(f"prepare {settings.fingerprint()}")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from isoloco_ray.data.format import DataError, sha256_file
-from isoloco_ray.data.sources import normalize_newlines
+from isoloco_ray.data.prepare.sources import normalize_newlines
 
 CACHE_ENV = "ISOLOCO_RAY_CACHE"
 # Bump the recipe number whenever the demo's text or preparation changes: a cached demo

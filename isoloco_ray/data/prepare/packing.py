@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from isoloco_ray.data.encoding import encode_documents
 from isoloco_ray.data.format import ShardInfo, SplitInfo, shard_name, write_blocks
+from isoloco_ray.data.prepare.encoding import encode_documents
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

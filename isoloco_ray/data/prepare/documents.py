@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from isoloco_ray.data import demo
-from isoloco_ray.data.encoding import save_tokenizer, train_bpe_tokenizer
 from isoloco_ray.data.format import SPLITS, TOKENIZER_DIR, DataError, DatasetMeta, verify
-from isoloco_ray.data.packing import write_split
-from isoloco_ray.data.staging import NOTHING_KEPT, check_replaceable, locked, staged
+from isoloco_ray.data.prepare import demo
+from isoloco_ray.data.prepare.encoding import save_tokenizer, train_bpe_tokenizer
+from isoloco_ray.data.prepare.packing import write_split
+from isoloco_ray.data.prepare.staging import NOTHING_KEPT, check_replaceable, locked, staged
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -3,7 +3,8 @@ and tokenizes them on a pool of actors spread over the cluster; the driver route
 writes exactly as the local engine does (corpus.py), so both engines write the same bytes.
 
     read tasks (consecutive source files, in order) -> map_batches(_Tokenize): an actor pool,
-    one tokenizer thread per actor, corpus.CORPUS_BATCH documents per call -> the driver, in order
+    one tokenizer thread per actor, tokenizing.CORPUS_BATCH documents per call -> the driver,
+    in order
 
 Order: ``preserve_order`` hands the driver the blocks in file order whatever actor tokenized
 them, and a document's tokens do not depend on the batch it is encoded in, so the document
@@ -36,11 +37,11 @@ import ray.data
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from isoloco_ray.data import corpus
-from isoloco_ray.data.corpus import TokenizedBatch
-from isoloco_ray.data.encoding import encode_batch, encoder_from_json
 from isoloco_ray.data.format import DataError
-from isoloco_ray.data.sources import TextSource, file_documents
+from isoloco_ray.data.prepare.encoding import encode_batch, encoder_from_json
+from isoloco_ray.data.prepare.sources import TextSource, file_documents
+from isoloco_ray.data.prepare import tokenizing
+from isoloco_ray.data.prepare.tokenizing import TokenizedBatch
 
 DOCUMENTS_PER_BLOCK = 2048  # a read task's output blocks (a few MB of text)
 BLOCK_BYTES = 8 << 20
@@ -137,10 +138,10 @@ def ray_tokenized_batches(source: TextSource, file: int, skip: int, tokenizer_js
         override_num_blocks=len(tasks), num_cpus=0)  # reading is light; CPUs go to the actors
     tokenized = dataset.map_batches(
         _Tokenize, fn_constructor_args=(tokenizer_json, eos_id, bos_id),
-        batch_size=corpus.CORPUS_BATCH, batch_format="pyarrow", zero_copy_batch=True,
+        batch_size=tokenizing.CORPUS_BATCH, batch_format="pyarrow", zero_copy_batch=True,
         compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=1)
     # Re-batched to the local engine's size, which is also the driver's progress granularity.
-    batches = tokenized.iter_batches(batch_size=corpus.CORPUS_BATCH, batch_format="pyarrow",
+    batches = tokenized.iter_batches(batch_size=tokenizing.CORPUS_BATCH, batch_format="pyarrow",
                                      prefetch_batches=2)
     with warnings.catch_warnings(), closing(iter(batches)) as tables:
         # A source smaller than one block per actor leaves actors idle, which is no concern.
