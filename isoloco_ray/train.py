@@ -17,6 +17,7 @@ from isoloco_ray import run_files
 from isoloco_ray.config import ConfigError, ScalingConfig, TrainConfig, load_config
 from isoloco_ray.data.checks import epochs, validated_dataset
 from isoloco_ray.data.format import DataError, Dataset
+from isoloco_ray.data.prepare.documents import ensure_demo_for
 from isoloco_ray.driver import RunFailed, check_run_dir, run_once, saved_config
 from isoloco_ray.fault_tolerance import check_torchft_available
 from isoloco_ray.local_ray import joined_cluster
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         cfg = load_config(args)
+        ensure_demo_for(cfg)  # the demo corpus, prepared on first use when data.path is unset
         dataset = validated_dataset(cfg)
         check_wandb_available(cfg)
         check_torchft_available(cfg)

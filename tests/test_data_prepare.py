@@ -305,6 +305,25 @@ def test_ensure_demo_data_prepares_once_and_repairs(fake_demo: dict[str, int],
     assert documents.ensure_demo_data(other) == other / "demo" and fake_demo["n"] == 3
 
 
+def test_checking_a_config_prepares_nothing_the_clis_prepare_the_demo_first(
+        fake_demo: dict[str, int], tmp_path: Path) -> None:
+    from isoloco_ray.config import ConfigError, load_config
+    from isoloco_ray.data.checks import resolve_data_dir
+
+    cfg = load_config(["--model.preset=tiny"])  # data.path unset: the demo corpus
+    demo_dir = tmp_path / "cache" / "demo"
+    with pytest.raises(ConfigError, match=f"data.path: unset, and the demo corpus is not "
+                                          f"prepared in {demo_dir}; run `python -m "):
+        resolve_data_dir(cfg)
+    assert fake_demo["n"] == 0 and not demo_dir.exists()
+    documents.ensure_demo_for(cfg)
+    assert resolve_data_dir(cfg) == demo_dir and fake_demo["n"] == 1
+    documents.ensure_demo_for(load_config(["--model.preset=tiny", f"--data.path={tmp_path}"]))
+    with pytest.raises(ConfigError, match="data.path: unset, and the demo corpus is for"):
+        documents.ensure_demo_for(load_config(["--model.preset=178M"]))
+    assert fake_demo["n"] == 1  # neither another path nor a refused model prepares it again
+
+
 def test_cli(fake_demo: dict[str, int], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ([], ["--demo", "--block-len", "0"], ["--demo", "--vocab-size", "100"]):
         with pytest.raises(SystemExit) as exc:

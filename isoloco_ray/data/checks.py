@@ -240,13 +240,18 @@ def check_demo_fallback(cfg: TrainConfig) -> None:
 
 
 def resolve_data_dir(cfg: TrainConfig) -> DataDir:
-    """The prepared data directory: `data.path` (a local path, made absolute, or a URI), or the
-    demo corpus (prepared on first use) for the models it is meant for."""
+    """The prepared data directory: `data.path` (a local path, made absolute, or a URI), or,
+    for the models it is meant for, the demo corpus's. Checking prepares nothing: the CLIs
+    prepare the demo first when they need it (`prepare.documents.ensure_demo_for`)."""
     if cfg.data.path is None:
-        from isoloco_ray.data.prepare.documents import ensure_demo_data
+        from isoloco_ray.data.prepare.documents import default_demo_dir
 
         check_demo_fallback(cfg)
-        return ensure_demo_data()
+        path = default_demo_dir().expanduser().absolute()
+        if not has_meta(path):
+            raise ConfigError(f"data.path: unset, and the demo corpus is not prepared in {path}; "
+                              "run `python -m isoloco_ray.data.prepare --demo`, or set data.path")
+        return path
     path = location(cfg.data.path, "data.path")
     if not has_meta(path):
         raise ConfigError(

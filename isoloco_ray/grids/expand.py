@@ -367,12 +367,15 @@ def _load_data(cfg: TrainConfig, lenient: bool) -> tuple[Path, Any] | str:
     or broken, or when `lenient` (a dry run) the reason as a string."""
     from isoloco_ray.data.checks import check_demo_fallback, resolve_data_dir
     from isoloco_ray.data.format import DataError, DatasetMeta
+    from isoloco_ray.data.prepare.documents import ensure_demo_for
 
     check_demo_fallback(cfg)  # an error in a dry run too: the grid file itself is wrong
     raw = "" if cfg.data.path is None else str(cfg.data.path)
     if lenient and unset_variable(raw) is not None:
         return f"data.path {raw} names the unset environment variable {unset_variable(raw)}"
     try:
+        if not lenient:  # a dry run prepares nothing
+            ensure_demo_for(cfg)
         data_dir = resolve_data_dir(cfg)
         return data_dir, DatasetMeta.load(data_dir)
     except (ConfigError, DataError) as exc:

@@ -36,6 +36,8 @@ from isoloco_ray.data.prepare.staging import NOTHING_KEPT, check_replaceable, lo
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from isoloco_ray.config import TrainConfig
+
 # The demo's recipe. Its train split is ~50 shards, so training can give each of up to ~50
 # replicas whole shards of similar data.
 DEMO_SETTINGS: dict[str, Any] = dict(
@@ -169,6 +171,16 @@ def ensure_demo_data(cache_dir: Path | None = None) -> Path:
         _prepare_locked(documents, out_dir, source_name=demo.DEMO_SOURCE, overwrite=True,
                         **DEMO_SETTINGS)
     return out_dir
+
+
+def ensure_demo_for(cfg: TrainConfig) -> None:
+    """Prepare the demo corpus now (on first use; ensure_demo_data) when `cfg` trains on it
+    (data.path unset); ConfigError first for a model it is not meant for."""
+    if cfg.data.path is None:
+        from isoloco_ray.data.checks import check_demo_fallback
+
+        check_demo_fallback(cfg)
+        ensure_demo_data()
 
 
 def is_current_demo(out_dir: Path, settings: dict[str, Any] | None = None) -> bool:
