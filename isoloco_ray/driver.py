@@ -136,7 +136,7 @@ def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from isoloco_ray.workers.loop import train_loop_per_worker
+    from isoloco_ray.workers.ray_entry import train_loop_per_worker
 
     joined = joined_cluster()
     return TorchTrainer(
@@ -144,7 +144,7 @@ def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any
         train_loop_config={"config": cfg.model_dump(mode="json"), "data_dir": str(data_dir),
                            "run_dir": str(run_dir), "progress": progress,
                            "loopback": not joined, "ft_timeouts": timeouts(),
-                           # Test hook: see workers/loop.py kill_once_hook.
+                           # Test hook: see workers/ray_entry.py kill_once_hook.
                            "kill_at": os.environ.get("ISOLOCO_RAY_KILL_AT")},
         torch_config=(torchft_backend(cfg, joined)
                       if cfg.scaling.fault_tolerance == "replica" else None),

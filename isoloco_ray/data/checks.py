@@ -225,26 +225,12 @@ def scanned_max_token_id(data_dir: DataDir, meta: DatasetMeta) -> int | None:
 # -- a run's config against its data ---------------------------------------------------------
 
 
-# The model sizes the demo corpus (8k BPE, 128-token blocks) is meant for; a larger model never
-# falls back to it silently.
-DEMO_CORPUS_PRESETS = ("tiny", "demo")
-
-
-def check_demo_fallback(cfg: TrainConfig) -> None:
-    """ConfigError when data.path is unset for a model the demo corpus is not meant for."""
-    if cfg.data.path is None and cfg.model.preset not in DEMO_CORPUS_PRESETS:
-        raise ConfigError(
-            f"data.path: unset, and the demo corpus is for the tiny and demo models, not "
-            f"model.preset {cfg.model.preset}; set data.path to a prepared dataset (python -m "
-            "isoloco_ray.data.prepare)")
-
-
 def resolve_data_dir(cfg: TrainConfig) -> DataDir:
     """The prepared data directory: `data.path` (a local path, made absolute, or a URI), or,
     for the models it is meant for, the demo corpus's. Checking prepares nothing: the CLIs
     prepare the demo first when they need it (`prepare.documents.ensure_demo_for`)."""
     if cfg.data.path is None:
-        from isoloco_ray.data.prepare.documents import default_demo_dir
+        from isoloco_ray.data.prepare.documents import check_demo_fallback, default_demo_dir
 
         check_demo_fallback(cfg)
         path = default_demo_dir().expanduser().absolute()

@@ -365,9 +365,9 @@ def validate_against_data(trials: list[Trial], warnings: list[str] | None = None
 def _load_data(cfg: TrainConfig, lenient: bool) -> tuple[Path, Any] | str:
     """(data directory, its DatasetMeta) of `cfg`; ConfigError/DataError when it is missing
     or broken, or when `lenient` (a dry run) the reason as a string."""
-    from isoloco_ray.data.checks import check_demo_fallback, resolve_data_dir
+    from isoloco_ray.data.checks import resolve_data_dir
     from isoloco_ray.data.format import DataError, DatasetMeta
-    from isoloco_ray.data.prepare.documents import ensure_demo_for
+    from isoloco_ray.data.prepare.documents import check_demo_fallback, ensure_demo_for
 
     check_demo_fallback(cfg)  # an error in a dry run too: the grid file itself is wrong
     raw = "" if cfg.data.path is None else str(cfg.data.path)

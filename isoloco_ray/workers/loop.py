@@ -3,15 +3,12 @@ the outer optimizer), rounds run by diloco_rounds.py or data_parallel_rounds.py,
 metrics (round_metrics.py), agreement checks (agreement.py), checkpoints.
 
 `Trainer` is plain PyTorch (+ torch.distributed when W > 1) so tests can run it in one process
-or in a gloo group without Ray; `train_loop_per_worker` adapts it to Ray Train.
+or in a gloo group without Ray; ray_entry.py adapts it to Ray Train.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,15 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from isoloco_ray import run_files, storage
 from isoloco_ray.config import TrainConfig, config_differences
 from isoloco_ray.data.format import Dataset
 from isoloco_ray.data.stream import ReplicaStream, RowReader, replica_share
 from isoloco_ray.metrics import RoundMetrics, RunSummary
-from isoloco_ray.workers import checkpoint, resume
+from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.agreement import (
     TrainingStopped,
     check_workers_agree,
@@ -37,9 +32,8 @@ from isoloco_ray.workers.agreement import (
 from isoloco_ray.workers.data_parallel_rounds import DataParallelRounds
 from isoloco_ray.workers.diloco_rounds import DiLoCoRounds
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
-from isoloco_ray.workers.export import ExportError, export_model
 from isoloco_ray.workers.fragments import split_fragments
-from isoloco_ray.workers.layout import WorkerLayout, placement_warning
+from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
 from isoloco_ray.workers.outer.step import OuterSync
 from isoloco_ray.workers.quorum import QuorumSeat
@@ -392,114 +386,3 @@ def steady_tokens_per_s(rounds: int, tokens_per_round: int, train_seconds: float
     if rounds > 1:
         return (rounds - 1) * tokens_per_round / max(train_seconds - first_round_seconds, 1e-9)
     return rounds * tokens_per_round / max(train_seconds, 1e-9)
-
-
-def kill_once_hook(spec: str | None) -> Callable[[int, int], None] | None:
-    """Fault injection for tests and benchmarks/chaos.py: "ROUND:REPLICA:MARKER" SIGKILLs this
-    worker after REPLICA's inner steps in round ROUND (0-based, i.e. mid-round), once: MARKER
-    is created first and disarms it for the restarted workers. Several, comma-separated."""
-    if not spec:
-        return None
-    kills = {}
-    for item in spec.split(","):
-        round_text, replica_text, marker = item.split(":", 2)
-        kills[int(round_text), int(replica_text)] = marker
-
-    def hook(round_index: int, replica: int) -> None:
-        marker = kills.get((round_index, replica))
-        if marker is not None:
-            try:
-                Path(marker).touch(exist_ok=False)
-            except FileExistsError:
-                return
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
-
-
-def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
-    """Ray Train entry point: builds the `WorkerEnv` from Ray's context, resumes from the
-    newest intact checkpoint if there is one, runs the trainer, and exports the model (rank 0).
-
-    Returns {"error": ..., "rounds": 0} on every rank, naming the bad files, when the run has
-    checkpoints but none can be resumed from. With scaling.fault_tolerance: replica the run
-    goes through replica_mode.py instead, and returns nothing."""
-    import ray
-    import ray.train
-    import ray.train.torch
-
-    from isoloco_ray.data.ray_reader import read_with_ray_data
-
-    cfg = TrainConfig.model_validate(loop_config["config"])
-    # Ray gives OMP_NUM_THREADS the worker's whole CPUs, but torch may have read it before, or
-    # capped it: set what the run reserved (scaling.cpus_per_worker) explicitly.
-    torch.set_num_threads(cfg.scaling.torch_threads)
-    dataset = Dataset.open(storage.location(loop_config["data_dir"], "data.path"))
-    run_dir = storage.location(loop_config["run_dir"])
-    progress = loop_config.get("progress")
-    context = ray.train.get_context()
-    rank = context.get_world_rank()
-
-    def report(metrics: Metrics, checkpoint_dir: Path | None, writer: bool) -> None:
-        if writer and progress is not None:
-            progress.put(metrics)
-        saved = None if checkpoint_dir is None else ray.train.Checkpoint.from_directory(
-            checkpoint_dir)
-        ray.train.report(metrics, checkpoint=saved)
-
-    env = WorkerEnv(
-        rank=rank,
-        world=context.get_world_size(),
-        device=ray.train.torch.get_device(),
-        read_rows=read_with_ray_data,
-        report=report,
-        checkpoint_room=lambda needed: storage.checkpoint_room(run_dir, needed),
-        after_replica=kill_once_hook(loop_config.get("kill_at")),
-    )
-    if cfg.scaling.fault_tolerance == "replica":
-        from isoloco_ray.workers.replica_mode import train_replica_worker
-
-        train_replica_worker(cfg, dataset, run_dir, env, progress, loop_config["loopback"],
-                             loop_config["ft_timeouts"])
-        return None
-
-    def build(restore_from: Path | None) -> Trainer:
-        return Trainer(cfg, dataset, replace(env, restore_from=restore_from))
-
-    # Ray Train's latest checkpoint, or the newest intact one before it if that is damaged
-    # (resume.py). A damaged checkpoint is returned as the run's error, not raised: Ray Train
-    # would restart the workers run.max_failures times for nothing. Every rank reaches the
-    # same verdict, so all return alike, before any collective.
-    latest = ray.train.get_checkpoint()
-    candidates = [] if latest is None else resume.run_checkpoints(latest)
-    with resume.open_resume_point(candidates) as start:
-        if start.error is not None:
-            return {"error": start.error, "rounds": 0}
-        if start.warning is not None and rank == 0:
-            print(start.warning, file=sys.stderr, flush=True)
-        try:
-            trainer = build(start.directory)  # restored in full before training goes on
-        except checkpoint.CheckpointError as exc:  # naming the stored files, not the copies
-            return {"error": str(exc).replace(str(start.directory), start.name), "rounds": 0}
-    warning = start.warning
-    node_of_rank: list[Any] = [None] * context.get_world_size()
-    dist.all_gather_object(node_of_rank, ray.get_runtime_context().get_node_id())
-    placement = placement_warning(node_of_rank, cfg.scaling.workers_per_replica)
-    if placement is not None and rank == 0:
-        print(placement, file=sys.stderr, flush=True)
-    summary = trainer.run()
-    if rank != 0:
-        return None
-    summary.update(workers=len(node_of_rank), nodes=len(set(node_of_rank)))
-    if placement is not None:
-        summary["placement_warning"] = placement
-    if warning is not None:
-        summary["resume_warning"] = warning
-    summary["torch_threads"] = torch.get_num_threads()  # per worker (every rank sets alike)
-    if "error" not in summary:
-        try:  # a run without its model is not finished: the error keeps it resumable
-            export_model(trainer.model, dataset, run_dir / run_files.MODEL_DIR,
-                         summary.get("diverged"))
-        except ExportError as exc:
-            summary["error"] = str(exc)
-    return summary

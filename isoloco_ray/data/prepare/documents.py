@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from isoloco_ray.config import ConfigError
 from isoloco_ray.data.format import SPLITS, TOKENIZER_DIR, DataError, DatasetMeta, verify
 from isoloco_ray.data.prepare import demo
 from isoloco_ray.data.prepare.encoding import save_tokenizer, train_bpe_tokenizer
@@ -173,12 +174,24 @@ def ensure_demo_data(cache_dir: Path | None = None) -> Path:
     return out_dir
 
 
+# The model sizes the demo corpus (8k BPE, 128-token blocks) is meant for; a larger model never
+# falls back to it silently.
+DEMO_CORPUS_PRESETS = ("tiny", "demo")
+
+
+def check_demo_fallback(cfg: TrainConfig) -> None:
+    """ConfigError when data.path is unset for a model the demo corpus is not meant for."""
+    if cfg.data.path is None and cfg.model.preset not in DEMO_CORPUS_PRESETS:
+        raise ConfigError(
+            f"data.path: unset, and the demo corpus is for the tiny and demo models, not "
+            f"model.preset {cfg.model.preset}; set data.path to a prepared dataset (python -m "
+            "isoloco_ray.data.prepare)")
+
+
 def ensure_demo_for(cfg: TrainConfig) -> None:
     """Prepare the demo corpus now (on first use; ensure_demo_data) when `cfg` trains on it
     (data.path unset); ConfigError first for a model it is not meant for."""
     if cfg.data.path is None:
-        from isoloco_ray.data.checks import check_demo_fallback
-
         check_demo_fallback(cfg)
         ensure_demo_data()
 
