@@ -1,0 +1,74 @@
+"""The package's layout rules, read from its source: imports go one way (no circle), and the
+pure parts stay pure (aggregators/ without Ray or torch.distributed, the worker loop without
+Ray). TYPE_CHECKING-only imports are annotations and do not count."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import isoloco_ray
+
+PACKAGE = Path(isoloco_ray.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """Every module `path` imports (at its top or inside functions), less TYPE_CHECKING's."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(node) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+                   for node in ast.walk(block)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+IMPORTS = {name: runtime_imports(path) for name, path in MODULES.items()}
+
+
+def test_no_import_circle():
+    graph = {name: {other for other in imports if other in MODULES and other != name}
+             for name, imports in IMPORTS.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for other in sorted(graph[name]):
+            if state.get(other) == 1:
+                circles.append(path[path.index(other):] + [other])
+            elif other not in state:
+                visit(other, path + [other])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert circles == []
+
+
+def test_the_pure_parts_import_neither_ray_nor_collectives():
+    def uses(name: str, prefix: str) -> bool:
+        return any(i == prefix or i.startswith(prefix + ".") for i in IMPORTS[name])
+
+    aggregators = [name for name in MODULES if name.startswith("isoloco_ray.aggregators")]
+    assert len(aggregators) > 3
+    for name in aggregators:
+        assert not uses(name, "ray") and not uses(name, "torch.distributed"), name
+        assert not uses(name, "isoloco_ray.workers"), name
+    for name in ("isoloco_ray.workers.loop", "isoloco_ray.data.stream",
+                 "isoloco_ray.data.checks", "isoloco_ray.config", "isoloco_ray.metrics"):
+        assert not uses(name, "ray"), name
