@@ -198,7 +198,7 @@ def hold_run(run_dir: UPath, field: str = "run.name") -> contextlib.ExitStack:
     A second run of the same directory is refused here with a ConfigError naming the holder,
     instead of both writing the same rounds and checkpoints. The lock goes with its process,
     however that ends (file_lock.py). On object storage no lock is taken: there, one run per
-    name at a time is the user's to keep (README)."""
+    name at a time is the user's to keep (docs/running.md)."""
     stack = contextlib.ExitStack()
     if not isinstance(run_dir, Path):
         return stack
