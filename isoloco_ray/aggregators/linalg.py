@@ -40,6 +40,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+# LAPACK's failure to converge; torch's stubs do not re-export the name.
+LinAlgError: type[Exception] = torch.linalg.LinAlgError  # type: ignore[attr-defined]
+
 # Eigenvalue ratio below which Gram-based singular triplets are recomputed by SVD. Singular
 # vectors from a float64 Gram carry errors of about eps64 * (sigma_1 / sigma_j)^2 / relative
 # gap; at 1e-10 that stays near 1e-6, far inside the tolerances of docs/strategies.md.
@@ -221,12 +224,12 @@ def psd_inv_sqrt(g: Tensor) -> tuple[Tensor, Tensor]:
 def _svd_one(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     try:
         return torch.linalg.svd(a, full_matrices=False)
-    except torch.linalg.LinAlgError:
+    except LinAlgError:
         pass
     try:  # the same decomposition; LAPACK takes another path and usually converges
         u, s, vh = torch.linalg.svd(a.mT, full_matrices=False)
         return vh.mT, s, u.mT
-    except torch.linalg.LinAlgError:
+    except LinAlgError:
         pass
     # Polar decomposition A = Q H by QDWH, then eigh of the symmetric H = W S Wᵀ.
     tall = a.shape[-2] >= a.shape[-1]
@@ -243,7 +246,7 @@ def svd_robust(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     (clustered singular values); such matrices are retried transposed, then by QDWH + eigh."""
     try:
         return torch.linalg.svd(a, full_matrices=False)
-    except torch.linalg.LinAlgError:
+    except LinAlgError:
         u, s, vh = zip(*[_svd_one(x) for x in a])
         return torch.stack(u), torch.stack(s), torch.stack(vh)
 

@@ -137,7 +137,7 @@ def resolve_options(strategy: str, options: Mapping[str, Any]) -> dict[str, Any]
 def _replica_generators(generator: Generators, replicas: int) -> list[torch.Generator | None]:
     if generator is None or isinstance(generator, torch.Generator):
         return [generator] * replicas
-    gens = list(generator)
+    gens: list[torch.Generator | None] = list(generator)
     if len(gens) != replicas:
         raise ValueError(f"generator: a sequence needs one generator per replica ({replicas}); "
                          f"got {len(gens)}")
@@ -224,7 +224,7 @@ def merge_all(strategy: str, deltas_by_name: Mapping[str, Sequence[Tensor] | Ten
         return merged
 
     merged = {}
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[tuple[torch.Size, torch.dtype, torch.device, int], list[str]] = {}
     for name, items in checked.items():
         if items[0].dim() != 2:
             merged[name] = mean64(items).to(items[0].dtype)

@@ -10,9 +10,12 @@ Also `realistic_deltas`, the synthetic pseudo-gradients both use.
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 from torch import Tensor
+
+from isoloco_ray.aggregators.linalg import LinAlgError
 
 F64 = torch.float64
 
@@ -22,7 +25,7 @@ def svd(m: Tensor, dtype: torch.dtype = F64) -> tuple[Tensor, Tensor, Tensor]:
     fails to converge on clustered singular values; the SVD of Mᵀ is the same decomposition."""
     try:
         return torch.linalg.svd(m.to(dtype), full_matrices=False)
-    except torch.linalg.LinAlgError:
+    except LinAlgError:
         u, s, vh = torch.linalg.svd(m.to(dtype).T, full_matrices=False)
         return vh.T, s, u.T
 
@@ -48,7 +51,7 @@ def ref_isocts(deltas: list[Tensor], common_fraction: float = 0.8,
     """ISO-CTS, docs/strategies.md steps 1-7."""
     r_count = len(deltas)
     d = [x.to(dtype) / r_count for x in deltas]                     # 1. scale
-    c = sum(d)
+    c = cast(Tensor, sum(d))
     m, n = c.shape
     k = min(m, n)
     k_c = math.floor(k * common_fraction)                           # 2. sizes
@@ -136,7 +139,7 @@ def ref_disjoint_merge_loop(tensors: list[Tensor]) -> Tensor:
 
 
 def ref_merge(strategy: str, deltas: list[Tensor], dtype: torch.dtype = F64,
-              **options) -> Tensor:
+              **options: Any) -> Tensor:
     """The reference of `isoloco_ray.aggregators.merge` (magnitude pruning only)."""
     if deltas[0].dim() != 2 or strategy == "mean":
         return ref_mean(deltas, dtype).to(deltas[0].dtype)

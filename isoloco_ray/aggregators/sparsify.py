@@ -95,6 +95,7 @@ def sparsify(delta: Tensor, sparsity: float, prune: str = "magnitude", prune_dim
 
     units = delta.numel() if prune_dim == "all" else delta.shape[0 if prune_dim == "row" else 1]
     if prune == "random":
+        assert generator is not None  # checked above
         scores = torch.rand(units, generator=generator, dtype=torch.float64,
                             device=generator.device).to(delta.device)
     elif prune_dim == "all":
