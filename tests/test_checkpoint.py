@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import TINY_RUN
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DatasetMeta, read_blocks, shard_name, write_blocks
 from isoloco_ray.workers import checkpoint, resume
@@ -18,9 +19,9 @@ from isoloco_ray.workers.local import StopAfterRound, run_local
 from isoloco_ray.workers.outer.step import OuterSync
 from isoloco_ray.workers.replica import Replica
 
-RUN = ["--model.preset=tiny", "--scaling.replicas=2", "--scaling.replicas_per_worker=2",
-       "--inner.steps=2", "--run.rounds=4", "--run.checkpoint_every=2", "--data.seq_len=64",
-       "--data.batch_size=4", "--run.eval_tokens=512", "--run.eval_every=2"]
+RUN = TINY_RUN + ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--inner.steps=2",
+                  "--run.rounds=4", "--run.checkpoint_every=2", "--run.eval_tokens=512",
+                  "--run.eval_every=2"]
 
 
 COMPRESSED = ["--outer.comm_dtype=int8", "--outer.error_feedback=true"]

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from helpers import TINY_RUN
 from isoloco_ray import driver, strict_json, train
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DataError
@@ -16,9 +17,9 @@ from isoloco_ray.workers import checkpoint, loop, replica
 from isoloco_ray.workers.local import run_local
 from isoloco_ray.workers.outer.step import OuterSync
 
-RUN = ["--model.preset=tiny", "--scaling.replicas=2", "--scaling.replicas_per_worker=2",
-       "--inner.steps=2", "--run.rounds=3", "--run.checkpoint_every=1", "--data.seq_len=64",
-       "--data.batch_size=4", "--run.eval_tokens=512", "--run.eval_every=1"]
+RUN = TINY_RUN + ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--inner.steps=2",
+                  "--run.rounds=3", "--run.checkpoint_every=1", "--run.eval_tokens=512",
+                  "--run.eval_every=1"]
 
 
 def assert_finite_checkpoints(directory):

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
+from helpers import TINY_RUN
 from isoloco_ray import driver, run_files, train
 from isoloco_ray.config import ConfigError, load_config
 from isoloco_ray.report import last_error_line
 
-TINY = ["--model.preset=tiny", "--data.seq_len=64", "--data.batch_size=4",
-        "--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--inner.steps=3",
-        "--run.rounds=2"]
+TINY = TINY_RUN + ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--inner.steps=3",
+                   "--run.rounds=2"]
 
 
 def test_a_run_directory_resumes_only_with_its_settings_and_its_own_model_files(tmp_path):

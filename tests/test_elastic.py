@@ -7,14 +7,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from helpers import TINY_RUN
 from isoloco_ray.config import ScalingConfig, load_config
 from isoloco_ray.elastic import allowed_counts_only, ray_scaling_config, round_down
 from isoloco_ray.workers.layout import WorkerLayout, placement_warning
 from isoloco_ray.workers.local import StopAfterRound, run_local
 
-RUN = ["--model.preset=tiny", "--inner.steps=2", "--run.rounds=4", "--run.checkpoint_every=2",
-       "--data.seq_len=64", "--data.batch_size=4", "--run.eval_tokens=512",
-       "--run.eval_every=2"]
+RUN = TINY_RUN + ["--inner.steps=2", "--run.rounds=4", "--run.checkpoint_every=2",
+                  "--run.eval_tokens=512", "--run.eval_every=2"]
 
 
 def test_worker_counts_divide_the_replicas():

@@ -10,20 +10,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_tune import TUNE_CONFIGS, write_grid
 
+from helpers import TUNE_CONFIGS, started_grid, strict_json, write_grid
 from isoloco_ray import tune
 from isoloco_ray.config import check_name
 from isoloco_ray.grids.console import progress_printer
 from isoloco_ray.grids.expand import build_trials, trial_name
 from isoloco_ray.grids.spec import load_grid_file
-
-
-def strict_json(path: Path) -> object:
-    """The JSON in `path`, refusing NaN, Infinity and -Infinity."""
-    def refuse(constant: str) -> None:
-        raise AssertionError(f"{path} holds {constant}: not strict JSON")
-    return json.loads(path.read_text(), parse_constant=refuse)
 
 
 class Payload:
@@ -52,28 +45,6 @@ def plant_payloads(tune_dir: Path, trial: str, marker: Path) -> Path:
         (tune_dir / name).write_text(json.dumps({"runner_data": embedded, "trial_data": [],
                                                  "stats": {}, "state": embedded}))
     return tune_dir / "tuner.pkl"
-
-
-def started_grid(tmp_path: Path, data_dir: Path, names: list[str]) -> tuple[Path, Path]:
-    """A grid interrupted after its first run wrote grid.json: the grid file and the grid
-    directory. Trial 0 finished, trial 1 failed, the others never started."""
-    path = write_grid(tmp_path, data_dir, name="shared",
-                      trials=[{"outer.strategy": strategy} for strategy in names],
-                      resources={"trial_cpus": 0.5, "max_concurrent": 1})
-    grid = yaml.safe_load(path.read_text())
-    grid["base"]["scaling"]["cpus_per_worker"] = 0.5
-    path.write_text(yaml.safe_dump(grid))
-    plan = tune.plan_grid(path, [])
-    plan.grid_dir.mkdir(parents=True)
-    (plan.grid_dir / "grid.json").write_text(json.dumps(plan.manifest(1)))
-    done, failed = (trial.run_dir for trial in plan.trials[:2])
-    done.mkdir(parents=True)
-    (done / "summary.json").write_text(json.dumps(
-        {"strategy": names[0], "tokens": 1536, "final_eval_loss": 5.0,
-         "final_eval_perplexity": math.exp(5.0), "seconds": 1.0}))
-    failed.mkdir(parents=True)
-    (failed / "error.txt").write_text("Traceback (most recent call last):\nRuntimeError: boom\n")
-    return path, plan.grid_dir
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,15 +8,15 @@ import math
 
 import pytest
 
+from helpers import TINY_RUN
 from isoloco_ray.config import load_config
 from isoloco_ray.metrics import (DIVERGED_IF_NOT_FINITE, ROUND_METRICS, SUMMARY_METRICS,
                                  RoundMetrics, RunSummary, format_progress)
 from isoloco_ray.workers.local import run_local
 
-TINY = ["--model.preset=tiny", "--scaling.replicas=2", "--scaling.replicas_per_worker=2",
-        "--inner.steps=2", "--run.rounds=2", "--data.seq_len=64", "--data.batch_size=4",
-        "--data.micro_batch_size=2", "--run.eval_tokens=512", "--run.eval_every=2",
-        "--run.checkpoint_every=2"]
+TINY = TINY_RUN + ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--inner.steps=2",
+                   "--run.rounds=2", "--data.micro_batch_size=2", "--run.eval_tokens=512",
+                   "--run.eval_every=2", "--run.checkpoint_every=2"]
 
 
 def field_names(record: type) -> set[str]:

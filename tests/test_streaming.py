@@ -13,6 +13,7 @@ import torch
 from pydantic import ValidationError
 from transformers import LlamaForCausalLM
 
+from helpers import TINY_RUN
 from isoloco_ray.config import load_config
 from isoloco_ray.strategies import STRATEGIES, OuterMerge
 from isoloco_ray.workers import plain_loop
@@ -185,9 +186,8 @@ def test_delay_changes_the_result_and_mix_keeps_local_progress(small_dataset):
 
 
 # Whole batches (micro_batch_size = batch_size), as the reference takes them.
-TINY = ["--model.preset=tiny", "--inner.steps=3", "--run.rounds=2", "--data.seq_len=64",
-        "--data.batch_size=4", "--data.micro_batch_size=4", "--run.eval_tokens=1024",
-        "--run.eval_every=1", "--scaling.replicas=4"]
+TINY = TINY_RUN + ["--inner.steps=3", "--run.rounds=2", "--data.micro_batch_size=4",
+                   "--run.eval_tokens=1024", "--run.eval_every=1", "--scaling.replicas=4"]
 
 
 @pytest.mark.parametrize("strategy, per_worker", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import TINY_RUN
 from isoloco_ray.config import load_config
 from isoloco_ray.strategies import STRATEGIES
 from isoloco_ray.workers.local import run_local
@@ -47,9 +48,8 @@ def test_diloco_sgd_is_plain_mean_step():
     torch.testing.assert_close(theta["w"], torch.full((3, 2), -0.5 * 1.5))
 
 
-TINY = ["--model.preset=tiny", "--scaling.replicas=2", "--inner.steps=3", "--run.rounds=2",
-        "--data.seq_len=64", "--data.batch_size=4", "--data.micro_batch_size=2",
-        "--run.eval_tokens=1024", "--run.eval_every=1"]
+TINY = TINY_RUN + ["--scaling.replicas=2", "--inner.steps=3", "--run.rounds=2",
+                   "--data.micro_batch_size=2", "--run.eval_tokens=1024", "--run.eval_every=1"]
 
 
 @pytest.mark.parametrize("strategy", ["diloco", "tsv"])

@@ -6,32 +6,17 @@ import csv
 import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import yaml
 
+from helpers import TUNE_CONFIGS, write_grid
 from isoloco_ray import tune
 from isoloco_ray.config import TrainConfig, load_config
 from isoloco_ray.grids.expand import build_trials
 from isoloco_ray.grids.spec import load_grid_file
 from isoloco_ray.grids import plan as plan_module
 
-TUNE_CONFIGS = Path(__file__).resolve().parent.parent / "tune_configs"
-
-
-def write_grid(tmp_path: Path, data_dir: Path, **sections) -> Path:
-    """A grid file on `data_dir` with a tiny base; `sections` replace or extend it."""
-    grid = {"base": {"model": {"preset": "tiny"},
-                     "data": {"path": str(data_dir), "seq_len": 64, "batch_size": 4},
-                     "scaling": {"replicas": 2, "replicas_per_worker": 2},
-                     "inner": {"steps": 3},
-                     "run": {"rounds": 2, "eval_every": 1, "eval_tokens": 2048,
-                             "storage_path": str(tmp_path / "grids")}}}
-    grid.update(sections)
-    path = tmp_path / "grid.yaml"
-    path.write_text(yaml.safe_dump(grid))
-    return path
 
 
 def test_dry_run_crosses_trials_with_the_grid(tmp_path, small_dataset, capsys, no_ray):

@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 import yaml
-from test_grid_safety import started_grid, strict_json
-from test_tune import TUNE_CONFIGS, write_grid
 
+from helpers import TUNE_CONFIGS, started_grid, strict_json, write_grid
 from isoloco_ray import tune
 from isoloco_ray.grids.expand import build_trials, check_scheduler
 from isoloco_ray.grids.spec import SchedulerSpec, load_grid_file

@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
-from test_grid_safety import strict_json
-from test_tune import TUNE_CONFIGS, write_grid
 
+from helpers import TUNE_CONFIGS, strict_json, write_grid
 from isoloco_ray import tune
 from isoloco_ray.config import ConfigError, check_name
 from isoloco_ray.grids.spec import load_grid_file
