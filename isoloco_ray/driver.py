@@ -98,9 +98,10 @@ def run_once(cfg: TrainConfig, data_dir: Path, run_dir: Path, *, started: float,
 def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Event,
                     on_metrics: Callable[[dict[str, Any]], None] | None = None,
                     overlapped: bool = False) -> None:
-    """Print and record (metrics.jsonl, and `on_metrics`, e.g. W&B) each report rank 0 puts on
-    `queue` until `stop`. A failing `on_metrics` is reported once and then left out: the
-    console and metrics.jsonl go on."""
+    """Print and record (metrics.jsonl, and `on_metrics`, e.g. W&B) each report the recording
+    worker (rank 0, or a quorum's lowest: Trainer.writes_run_files) puts on `queue` until
+    `stop`. A failing `on_metrics` is reported once and then left out: the console and
+    metrics.jsonl go on."""
     from ray.util.queue import Empty
 
     while not (stop.is_set() and queue.empty()):
@@ -130,8 +131,8 @@ def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any
     """The Ray Train TorchTrainer of one run (R/V workers; each streams its replicas' shares
     with Ray Data itself, from their positions: `data.ray_reader.read_with_ray_data`).
 
-    `progress`: a ray.util.queue.Queue that rank 0 puts every report on; `callbacks`: Ray
-    Train callbacks (e.g. Tune's TuneReportCallback).
+    `progress`: a ray.util.queue.Queue the recording worker puts every report on;
+    `callbacks`: Ray Train callbacks (e.g. Tune's TuneReportCallback).
     """
     import ray.train
     from ray.train.torch import TorchTrainer
