@@ -69,6 +69,21 @@ def small_dataset(tmp_path_factory):
     return out
 
 
+@pytest.fixture
+def data(small_dataset, tmp_path, monkeypatch):
+    """A private copy of the small dataset, never scanned, in the default scan mode: for tests
+    that damage data or count scans."""
+    import shutil
+
+    from isoloco_ray.data import checks
+
+    monkeypatch.delenv(checks.VERIFY_ENV, raising=False)
+    copy = tmp_path / "ds"
+    shutil.copytree(small_dataset, copy)
+    (copy / checks.STAMP_FILE).unlink(missing_ok=True)  # other tests may have verified it
+    return copy
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for the whole session, more logical CPUs than cores, started the

@@ -9,10 +9,15 @@ from pathlib import Path
 import yaml
 
 from isoloco_ray import tune
+from isoloco_ray.data import checks
+from isoloco_ray.data.format import DatasetMeta
 
 # A tiny run on the tests' small dataset (conftest.small_dataset): the tiny Llama, sequences of
 # 64 tokens in batches of 4; each test adds the layout and length it needs.
 TINY_RUN = ["--model.preset=tiny", "--data.seq_len=64", "--data.batch_size=4"]
+
+# check_training_data's settings that the small dataset passes.
+DATA_OK = dict(model_vocab_size=None, seq_len=64, replicas=2, batch_size=4)
 
 TUNE_CONFIGS = Path(__file__).resolve().parent.parent / "tune_configs"
 
@@ -58,3 +63,13 @@ def started_grid(tmp_path: Path, data_dir: Path, names: list[str]) -> tuple[Path
     failed.mkdir(parents=True)
     (failed / "error.txt").write_text("Traceback (most recent call last):\nRuntimeError: boom\n")
     return path, plan.grid_dir
+
+
+def check(data_dir: Path, **settings: object) -> None:
+    """check_training_data of `data_dir` with DATA_OK, `settings` changed."""
+    checks.check_training_data(data_dir, DatasetMeta.load(data_dir), **{**DATA_OK, **settings})
+
+
+def truncate(path: Path) -> None:
+    """Damage a file as a crash during its write would: its last 100 bytes gone."""
+    path.write_bytes(path.read_bytes()[:-100])

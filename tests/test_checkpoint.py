@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import TINY_RUN
+from helpers import TINY_RUN, truncate
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DatasetMeta, read_blocks, shard_name, write_blocks
 from isoloco_ray.workers import checkpoint, resume
@@ -266,10 +266,6 @@ class Payload:
 
     def __reduce__(self):
         return Path.touch, (self.marker,)
-
-
-def truncate(path: Path) -> None:
-    path.write_bytes(path.read_bytes()[:-100])
 
 
 def drop_a_momentum_buffer(path: Path) -> None:

@@ -4,7 +4,6 @@ scan stamp, and the determinism and disjointness of the replica streams."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,25 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from helpers import check
 from isoloco_ray.config import ConfigError
 from isoloco_ray.data import checks
 from isoloco_ray.data.format import DataError, DatasetMeta, read_blocks, split_files, write_blocks
 from isoloco_ray.data.stream import ReplicaStream, read_with_pyarrow, replica_share
-
-OK = dict(model_vocab_size=None, seq_len=64, replicas=2, batch_size=4)
-
-
-@pytest.fixture
-def data(small_dataset: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "ds"
-    shutil.copytree(small_dataset, copy)
-    (copy / checks.STAMP_FILE).unlink(missing_ok=True)  # other tests may have verified it
-    return copy
-
-
-def check(data_dir: Path, **kw) -> None:  # type: ignore[no-untyped-def]
-    checks.check_training_data(data_dir, DatasetMeta.load(data_dir), **{**OK, **kw})
-
 
 def test_good_data_passes_and_is_scanned_once(data: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     check(data)

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from helpers import check
 from isoloco_ray.data import checks
 
 from isoloco_ray.data.prepare import demo, documents, cli as prepare_cli
@@ -77,21 +78,6 @@ def error_line(err: str) -> str:
 
 def names(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
-
-
-@pytest.fixture
-def data(small_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private copy of the small dataset, never scanned, in the default scan mode."""
-    monkeypatch.delenv(checks.VERIFY_ENV, raising=False)
-    copy = tmp_path / "ds"
-    shutil.copytree(small_dataset, copy)
-    (copy / checks.STAMP_FILE).unlink(missing_ok=True)
-    return copy
-
-
-def check(data_dir: Path, **kw: object) -> None:
-    settings = dict(model_vocab_size=None, seq_len=64, replicas=2, batch_size=4)
-    checks.check_training_data(data_dir, DatasetMeta.load(data_dir), **{**settings, **kw})
 
 
 # --------------------------------------------------------------- 1. what --overwrite replaces

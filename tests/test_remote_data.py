@@ -12,15 +12,13 @@ import boto3
 import numpy as np
 import pytest
 
+from helpers import DATA_OK
 from isoloco_ray.config import ConfigError, load_config
 from isoloco_ray.data import checks
 from isoloco_ray.data.format import (STAMP_FILE, DataError, DatasetMeta, load_tokenizer,
                                      split_files, verify)
 from isoloco_ray.data.ray_reader import read_with_ray_data
 from isoloco_ray.data.stream import ReplicaStream, read_with_pyarrow, replica_share
-
-OK = dict(model_vocab_size=None, seq_len=64, replicas=2, batch_size=4)
-
 
 @pytest.fixture
 def temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -110,7 +108,7 @@ def test_checks_scan_once_and_find_bad_shards(s3_data, s3_bucket, capsys):
     shard = split_files(data_dir, "train")[1]
 
     def check() -> None:
-        checks.check_training_data(data_dir, DatasetMeta.load(data_dir), **OK)
+        checks.check_training_data(data_dir, DatasetMeta.load(data_dir), **DATA_OK)
 
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 3] ^= 0xFF  # same size, other contents: a new ETag, so scanned again

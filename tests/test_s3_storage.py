@@ -13,6 +13,7 @@ import pytest
 import yaml
 from upath import UPath
 
+from helpers import truncate
 from isoloco_ray import evaluate, report, storage, train, tune
 from isoloco_ray.config import ConfigError
 
@@ -46,10 +47,6 @@ def test_upload_directory(s3_bucket, tmp_path):
     storage.upload_directory(tmp_path, destination)
     assert (destination / "a.txt").read_text() == "a"
     assert (destination / "sub" / "b.txt").read_text() == "b"
-
-
-def truncate(path: UPath) -> None:
-    path.write_bytes(path.read_bytes()[:-100])
 
 
 def test_a_run_on_s3_writes_everything_there_and_resumes_from_it(ray_cluster, small_dataset,
