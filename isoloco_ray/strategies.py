@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,11 @@ STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in (
                  "step", None, dict(inner_lr=1.95e-3, lr=0.0, momentum=0.0, nesterov=False),
                  inner_weight_decay=0.15),
 )}
+
+# Who merges each tensor in the outer step (outer.placement; workers/outer/plan.py).
+Placement = Literal["sharded", "rank0", "replicated"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+
 
 @dataclass(frozen=True)
 class WireFormat:

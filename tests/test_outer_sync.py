@@ -16,10 +16,9 @@ from isoloco_ray.workers.local import in_gloo_group
 from isoloco_ray.config import MODEL_PRESETS, load_config
 from isoloco_ray.workers.outer.plan import OuterPlan, assign_owners, merge_cost
 from isoloco_ray.workers.outer.step import OuterSync
-from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, OuterMerge
+from isoloco_ray.strategies import PLACEMENTS, STRATEGIES, WIRE_FORMATS, OuterMerge
 
 REPLICAS, RANKS, ROUNDS = 8, 4, 3
-PLACEMENTS = ("sharded", "rank0", "replicated")
 SHAPES = {"embed": (48, 16), "q": (16, 16), "k": (8, 16), "norm": (16,), "up": (40, 16),
           "down": (16, 40), "head": (48, 16)}
 VARIANTS = {

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, option_strategies
+from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, Placement, option_strategies
 
 ModelPreset = Literal["tiny", "demo", "178M", "512M"]
 Strategy = Literal[tuple(STRATEGIES)]  # type: ignore[valid-type]
@@ -276,7 +276,7 @@ class OuterConfig(Section):
         None, description="ties/dare: prune entries, whole rows or whole columns")
     rescale: bool | None = Field(None, description="ties/dare: rescale kept entries by 1/(1-p)")
     disjoint: bool | None = Field(None, description="ties/dare: TIES sign-elected disjoint merge")
-    placement: Literal["sharded", "rank0", "replicated"] = Field(
+    placement: Placement = Field(
         "sharded", description="who merges each tensor: sharded (owners spread over the workers, "
         "balanced by cost), rank0 (one worker merges all), replicated (every worker merges all)")
     comm_dtype: Literal[tuple(WIRE_FORMATS)] = Field(  # type: ignore[valid-type]

@@ -12,10 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from isoloco_ray.strategies import MERGES
+from isoloco_ray.strategies import MERGES, PLACEMENTS
 from isoloco_ray.workers.collectives import BUCKET_BYTES, buckets
-
-PLACEMENTS = ("sharded", "rank0", "replicated")
 
 
 def merge_cost(shape: torch.Size, merge: str, replicas: int, orthogonalize_update: bool = False
