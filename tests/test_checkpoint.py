@@ -85,12 +85,10 @@ def test_error_feedback_residuals_are_saved_with_their_replica(small_dataset, tm
     assert "feedback" not in checkpoint.load_replica(tmp_path / "plain" / "round_000002", 0)
 
 
-def test_resume_with_other_settings_is_refused(small_dataset, tmp_path):
-    cfg = load_config(RUN + ["--run.rounds=2"])
-    run_local(cfg, small_dataset, checkpoints=tmp_path)
-    other = load_config(RUN + ["--run.rounds=2", "--inner.lr=1e-2"])
+def test_resume_with_other_settings_is_refused(small_dataset, saved_run):
+    other = load_config(TWO_ROUNDS + ["--inner.lr=1e-2"])
     with pytest.raises(ValueError, match=r"different settings: inner.lr"):
-        run_local(other, small_dataset, restore_from=tmp_path / "round_000002")
+        run_local(other, small_dataset, restore_from=saved_run / "round_000002")
 
 
 def test_resume_on_resharded_data_is_refused(small_dataset, tmp_path):
