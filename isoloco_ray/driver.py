@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -224,8 +225,8 @@ def write_config(run_dir: Path, cfg: TrainConfig) -> None:
 def write_summary(cfg: TrainConfig, final: dict[str, Any], data_dir: Path, run_dir: Path,
                   seconds: float) -> dict[str, Any]:
     """Write `run_dir/summary.json` for a finished run and return its contents."""
-    summary = RunSummary(**final).as_dict() | RunSummary(
-        strategy=cfg.outer.strategy, replicas=cfg.scaling.replicas,
+    summary = replace(  # the workers' figures, and what only the driver knows
+        RunSummary(**final), strategy=cfg.outer.strategy, replicas=cfg.scaling.replicas,
         model_dir=str(run_dir / run_files.MODEL_DIR), run_dir=str(run_dir),
         data_dir=str(data_dir), seconds=seconds).as_dict()
     strict_json.write(run_dir / run_files.SUMMARY, summary, indent=2)

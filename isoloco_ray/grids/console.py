@@ -70,7 +70,6 @@ def progress_printer() -> Any:
     (Tune's own status tables are turned off)."""
     from ray import tune
 
-
     class ProgressPrinter(tune.Callback):
         def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict,
                             **info: Any) -> None:
