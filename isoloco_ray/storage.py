@@ -40,7 +40,7 @@ def is_uri(spec: str | os.PathLike[str]) -> bool:
     return bool(_URI.match(os.fspath(spec)))
 
 
-def location(spec: str | os.PathLike[str], field: str = "run.storage_path") -> UPath:
+def location(spec: str | os.PathLike[str] | UPath, field: str = "run.storage_path") -> UPath:
     """The path `spec` names: a URI as it is, a local path with ~ expanded, made absolute.
     Raises ConfigError naming `field` for a URI whose filesystem is not installed or known."""
     if isinstance(spec, UPath) and not isinstance(spec, Path):
@@ -170,7 +170,7 @@ def upload_directory(local: Path, destination: str | os.PathLike[str]) -> None:
 CHECKPOINT_HEADROOM = 1 << 20
 
 
-def checkpoint_room(directory: str | os.PathLike[str], needed: int) -> str | None:
+def checkpoint_room(directory: str | os.PathLike[str] | UPath, needed: int) -> str | None:
     """Why a checkpoint of `needed` bytes will not fit under `directory`, or None (it fits,
     or `directory` is on object storage, which does not fill up). Checked before a checkpoint
     is written: a disk that fills up during one leaves half a checkpoint, and Ray Train's

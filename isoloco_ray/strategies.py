@@ -157,9 +157,12 @@ def option_strategies() -> dict[str, tuple[str, ...]]:
 class OuterSettings(Protocol):
     """What `OuterMerge.of` reads of a config's outer section (config.OuterConfig)."""
 
-    strategy: str
-    orthogonalize: str | None
-    disjoint: bool | None
+    @property
+    def strategy(self) -> str: ...
+    @property
+    def orthogonalize(self) -> str | None: ...
+    @property
+    def disjoint(self) -> bool | None: ...
 
 
 @dataclass(frozen=True)

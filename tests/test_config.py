@@ -32,6 +32,20 @@ def test_strategy_presets_follow_the_paper(strategy, inner_lr, outer_lr, momentu
         assert cfg.outer.keep_fraction == 1 / 8
 
 
+def test_the_settled_values_are_what_validation_filled_and_refused_unvalidated():
+    cfg = load_config(["--outer.strategy=tsv", "--model.preset=tiny", "--run.token_budget=40960",
+                       "--data.batch_size=8", "--data.seq_len=64", "--inner.steps=5"])
+    assert cfg.resolved.rounds == cfg.run.rounds == 40960 // (8 * 64 * 5 * 4)
+    assert cfg.resolved.micro_batch_size == cfg.data.micro_batch_size == 8
+    shape = cfg.model.shape
+    assert (shape.hidden_size, shape.num_layers, shape.num_kv_heads) == (64, 2, 2)
+    unvalidated = TrainConfig.model_construct(run=cfg.run.model_construct(rounds=None),
+                                              data=cfg.data)
+    with pytest.raises(ValueError, match=r"^run\.rounds is unset: build the config with "
+                       "TrainConfig.model_validate"):
+        unvalidated.resolved
+
+
 def test_cli_overrides_yaml_overrides_defaults(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model: {preset: tiny, num_layers: 3}\nouter: {lr: 0.5}\n")

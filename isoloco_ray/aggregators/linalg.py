@@ -40,8 +40,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-# LAPACK's failure to converge; torch's stubs do not re-export the name.
-LinAlgError: type[Exception] = torch.linalg.LinAlgError  # type: ignore[attr-defined]
+# LAPACK's failure to converge.
+LinAlgError: type[Exception] = torch.linalg.LinAlgError
 
 # Eigenvalue ratio below which Gram-based singular triplets are recomputed by SVD. Singular
 # vectors from a float64 Gram carry errors of about eps64 * (sigma_1 / sigma_j)^2 / relative

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from isoloco_ray.config.resolved import ModelShape, settled
 from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, Placement, option_strategies
 
 ModelPreset = Literal["tiny", "demo", "178M", "512M"]
@@ -90,6 +91,15 @@ class ModelConfig(Section):
                 f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "
                 f"({self.num_kv_heads})")
         return self
+
+    @property
+    def shape(self) -> ModelShape:
+        """The sizes validation settled (the preset's where unset)."""
+        return ModelShape(
+            **{name: settled(getattr(self, name), f"model.{name}")
+               for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                            "num_kv_heads", "max_seq_len")},
+            vocab_size=self.vocab_size)
 
 
 class DataConfig(Section):

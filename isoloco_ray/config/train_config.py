@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
+from isoloco_ray.config.resolved import Resolved, settled
 from isoloco_ray.config.schema import (
     OPTION_STRATEGIES,
     DataConfig,
@@ -179,6 +180,13 @@ class TrainConfig(Section):
         if outer.fragments > self.model.num_layers:
             raise ValueError(f"outer.fragments ({outer.fragments}) exceeds model.num_layers "
                              f"({self.model.num_layers}): a fragment is whole layers")
+
+    @property
+    def resolved(self) -> Resolved:
+        """The settings validation decided where they were left unset, typed as set."""
+        return Resolved(
+            rounds=settled(self.run.rounds, "run.rounds"),
+            micro_batch_size=settled(self.data.micro_batch_size, "data.micro_batch_size"))
 
     @property
     def tokens_per_round(self) -> int:

@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from isoloco_ray.data.format import DataError
+from isoloco_ray.metrics import QuorumFigures
 from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.agreement import stop_if_any_rank_failed
 from isoloco_ray.workers.collectives import TrafficCounter, all_reduce_sum
 from isoloco_ray.workers.outer.step import OuterStepStats
+from isoloco_ray.workers.quorum import CommittedSync
 from isoloco_ray.workers.replica import (
     inner_step,
     load_parameters,
@@ -33,6 +35,7 @@ class DataParallelRounds:
 
     optimizer: torch.optim.AdamW
     schedule: torch.optim.lr_scheduler.LambdaLR
+    committed: CommittedSync | None = None  # never: it runs over no quorum (refused below)
 
     def __init__(self, trainer: Trainer) -> None:
         if trainer.env.seat is not None:
@@ -41,7 +44,7 @@ class DataParallelRounds:
         self.trainer = trainer
         cfg = trainer.cfg
         self.optimizer, self.schedule = make_inner_optimizer(
-            trainer.model, cfg.inner, cfg.run.rounds * cfg.inner.steps,
+            trainer.model, cfg.inner, cfg.resolved.rounds * cfg.inner.steps,
             trainer.env.device.type == "cuda")
 
     def save(self, directory: Path) -> None:
@@ -67,14 +70,16 @@ class DataParallelRounds:
         load_parameters(trainer.model, trainer.global_params)
 
         def average_over_all_replicas() -> None:
+            grads = []
             for p in params:
                 if p.grad is None:  # no batch read here (a data error): still join the sum
                     p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
             computed = time.perf_counter()
-            all_reduce_sum([p.grad for p in params], traffic)
+            all_reduce_sum(grads, traffic)
             stats.comm_seconds += time.perf_counter() - computed
-            for p in params:
-                p.grad /= shares
+            for grad in grads:
+                grad /= shares
 
         started = time.perf_counter()
         loss_sum = torch.zeros((), device=trainer.env.device)
@@ -91,7 +96,7 @@ class DataParallelRounds:
             loss_sum += inner_step(
                 trainer.runtime, self.optimizer, self.schedule,
                 [batch if shard is None else shard.rows(batch) for batch in batches],
-                cfg.data.micro_batch_size, cfg.inner.clip, average_over_all_replicas)
+                cfg.resolved.micro_batch_size, cfg.inner.clip, average_over_all_replicas)
         inner_seconds = time.perf_counter() - started - stats.comm_seconds
         stop_if_any_rank_failed(data_error, trainer.round)
         stats.bytes_received = traffic.take()
@@ -107,7 +112,7 @@ class DataParallelRounds:
         return (loss_sum.item() / cfg.inner.steps / cfg.scaling.workers_per_replica,
                 inner_seconds, stats)
 
-    def quorum_metrics(self) -> dict[str, list[int] | int | float]:
+    def quorum_metrics(self) -> QuorumFigures:
         """Nothing: it never runs over a quorum (refused at start)."""
         return {}
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from isoloco_ray.data.format import DataError
+from isoloco_ray.metrics import QuorumFigures
 from isoloco_ray.workers.agreement import stop_if_any_rank_failed
 from isoloco_ray.workers.fragments import round_events
 from isoloco_ray.workers.outer.step import OuterStepStats
@@ -52,7 +53,7 @@ class DiLoCoRounds:
         inner_seconds, done, checked = 0.0, 0, False
         data_error = None
         try:
-            for event in round_events(trainer.round, cfg.run.rounds, steps,
+            for event in round_events(trainer.round, cfg.resolved.rounds, steps,
                                       cfg.outer.fragments, cfg.outer.delay):
                 if event.step > done:
                     seconds, data_error = self._inner_steps(event.step - done, losses,
@@ -104,7 +105,7 @@ class DiLoCoRounds:
                 break
             try:
                 losses[replica.index] += replica.run_inner_steps(
-                    trainer.model, trainer.runtime, steps, trainer.cfg.data.micro_batch_size,
+                    trainer.model, trainer.runtime, steps, trainer.cfg.resolved.micro_batch_size,
                     trainer.layout.shard)
             except DataError as exc:  # a replica's G workers read the same rows: all stop
                 data_error = str(exc)
@@ -182,7 +183,7 @@ class DiLoCoRounds:
                 pending.exception()
         self.in_flight.clear()
 
-    def quorum_metrics(self) -> dict[str, list[int] | int | float]:
+    def quorum_metrics(self) -> QuorumFigures:
         """With a quorum seat, who took part in the round's sync: the workers in its quorum,
         those that brought a Δ, those that did not (`missing_workers`: lost, or just
         healed; at the join before round 1, those not in it), the quorums it took (1 when

@@ -13,13 +13,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from upath import UPath
 
 from isoloco_ray.data.format import read_blocks
 from isoloco_ray.workers.collectives import all_reduce_scalars
 from isoloco_ray.workers.model import Runtime
 
 
-def eval_sequences(valid_files: Sequence[Path], seq_len: int, max_tokens: int) -> torch.Tensor:
+def eval_sequences(valid_files: Sequence[Path | UPath], seq_len: int, max_tokens: int
+                   ) -> torch.Tensor:
     """The first sequences of the valid split covering at most `max_tokens` (at least one)."""
     wanted = max(1, max_tokens // seq_len)
     sequences: list[np.ndarray] = []
@@ -51,9 +53,9 @@ def evaluate(runtime: Runtime, sequences: torch.Tensor, rank: int, world: int,
         nll_sum += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
                                    targets.reshape(-1), reduction="sum")
         tokens += targets.numel()
-    nll_total, tokens = all_reduce_scalars([nll_sum.item(), tokens], runtime.device)
+    nll_total, token_total = all_reduce_scalars([nll_sum.item(), tokens], runtime.device)
     model.train()
-    return nll_total / tokens
+    return nll_total / token_total
 
 
 def perplexity(loss: float) -> float:

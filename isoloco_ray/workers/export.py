@@ -17,6 +17,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 from torch import nn
+from transformers import PreTrainedModel
 
 from isoloco_ray import storage
 from isoloco_ray.data.format import load_tokenizer
@@ -37,7 +38,7 @@ class ExportError(RuntimeError):
     replace; the message names the path and the fix."""
 
 
-def export_model(model: nn.Module, data_dir: Any, out_dir: Any,
+def export_model(model: PreTrainedModel, data_dir: Any, out_dir: Any,
                  diverged: str | None = None) -> None:
     """Save `model` (safetensors) and the data's tokenizer for `from_pretrained` in `out_dir`
     (local, or on object storage), checked before it replaces what is there. A run that

@@ -27,7 +27,8 @@ import torch.multiprocessing as mp
 from isoloco_ray import storage
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.stream import read_with_pyarrow
-from isoloco_ray.workers.loop import Metrics, Trainer, WorkerEnv
+from isoloco_ray.workers.loop import Trainer, WorkerEnv
+from isoloco_ray.workers.round_metrics import Metrics
 
 
 class StopAfterRound(Exception):
@@ -68,7 +69,7 @@ GROUP_JOIN_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def _run_in_group(rank: int, world: int, scratch: str, threads: int, fn: Callable[..., Any],
-                  args: tuple) -> None:
+                  args: tuple[Any, ...]) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{scratch}/rendezvous", rank=rank,
                             world_size=world, timeout=GROUP_JOIN_TIMEOUT)
@@ -117,7 +118,8 @@ class _KeptRanks:
             self.connections.append(ours)
             self.processes.append(process)
 
-    def run(self, scratch: str, threads: int, fn: Callable[..., Any], args: tuple) -> None:
+    def run(self, scratch: str, threads: int, fn: Callable[..., Any], args: tuple[Any, ...]
+            ) -> None:
         """Every rank of one group. GroupFailed with the traceback of every rank that failed
         (the others' collectives fail within moments of a rank's error: each is waited for
         up to FAILED_GROUP_WAIT seconds, so the cause is among them, whichever came first)."""
@@ -131,10 +133,10 @@ class _KeptRanks:
                 list(pending.values()), timeout=FAILED_GROUP_WAIT if failures else None)
             if not ready:
                 break
-            for conn in ready:
-                rank = self.connections.index(conn)
+            for done in ready:
+                rank = self.connections.index(done)  # type: ignore[arg-type]  # one of them
                 try:
-                    failure = conn.recv()
+                    failure = self.connections[rank].recv()
                 except EOFError:
                     failure = f"the process died (exit code {self.processes[rank].exitcode})"
                 if failure is not None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from transformers import LlamaForCausalLM
 
 from isoloco_ray.config import TrainConfig, config_differences
 from isoloco_ray.data.format import Dataset
@@ -81,7 +81,7 @@ class Trainer:
 
     layout: WorkerLayout  # hosted replicas and process groups (not state: rebuilt at start)
     dataset: Dataset  # the prepared data, opened once (not state: the run's data.path)
-    model: nn.Module  # scratch module the hosted replicas take turns in
+    model: LlamaForCausalLM  # scratch model the hosted replicas take turns in
     global_params: dict[str, torch.Tensor]  # θ_t, identical on every worker
     replicas: list[Replica]  # the replicas this worker hosts (their θ_r, AdamW, stream, ...)
     outer: OuterSync  # outer optimizer (the momentum buffers of the tensors this rank owns)
@@ -105,11 +105,13 @@ class Trainer:
         self.layout = WorkerLayout.create(cfg.scaling, env.rank, env.world,
                                           background_sync=cfg.outer.delay > 0)
         self.dataset = Dataset.open(data)
-        self.model = build_model(cfg.model, self.dataset.meta.vocab_size,
-                                 cfg.run.seed).to(env.device)
+        self.model = build_model(cfg.model, self.dataset.meta.vocab_size, cfg.run.seed)
+        # Moves the parameters in place. transformers wraps `to` (functools.wraps of
+        # Module.to), which hides its signature from the type checker.
+        self.model.to(env.device)  # type: ignore[arg-type]
         self.runtime = Runtime.create(self.model, env.device, cfg.run.autocast, cfg.run.compile)
         self.global_params = snapshot_parameters(self.model)
-        total_steps = cfg.run.rounds * cfg.inner.steps
+        total_steps = cfg.resolved.rounds * cfg.inner.steps
         fused = env.device.type == "cuda"
         self.replicas = [
             Replica(r, self.model, cfg.inner, total_steps,
@@ -217,7 +219,8 @@ class Trainer:
         load_parameters(self.model, self.global_params)
         # With a quorum seat each worker scores the whole set: its peers may be gone.
         rank, world = (0, 1) if self.env.seat is not None else (self.env.rank, self.env.world)
-        loss = evaluate(self.runtime, self.eval_set, rank, world, self.cfg.data.micro_batch_size)
+        loss = evaluate(self.runtime, self.eval_set, rank, world,
+                        self.cfg.resolved.micro_batch_size)
         if not math.isfinite(loss):  # the same on every rank: the loss is all-reduced
             raise TrainingStopped(
                 f"the validation loss is {loss} after round {self.round}; the last checkpoint "
@@ -295,7 +298,7 @@ class Trainer:
 
     def _train_rounds(self) -> None:
         cfg, env = self.cfg, self.env
-        while self.round < cfg.run.rounds:
+        while self.round < cfg.resolved.rounds:
             started = time.perf_counter()
             loss_sum, inner_seconds, stats = self.runner.run_round()
             self.round += 1
@@ -318,16 +321,16 @@ class Trainer:
                 self.first_round_seconds = seconds
             metrics = round_metrics(cfg, self.round, loss_sum, seconds, inner_seconds, stats,
                                     env.device)
-            self.bytes_total += metrics.outer_bytes_received  # the busiest rank's
+            self.bytes_total += metrics.outer_bytes_received or 0  # the busiest rank's
             # With a seat: who took part.
             metrics = replace(metrics, **self.runner.quorum_metrics())
-            saving = self.round % cfg.run.checkpoint_every == 0 or self.round == cfg.run.rounds
+            saving = self.round % cfg.run.checkpoint_every == 0 or self.round == cfg.resolved.rounds
             agreement = check_workers_agree(self.global_params, self.round, full=saving)
             if saving:
                 metrics.state_sha256 = agreement
             else:
                 metrics.state_checksum = agreement
-            if self.round % cfg.run.eval_every == 0 or self.round == cfg.run.rounds:
+            if self.round % cfg.run.eval_every == 0 or self.round == cfg.resolved.rounds:
                 self.last_eval_loss = self.evaluate()
                 metrics.eval_loss = self.last_eval_loss
                 metrics.eval_perplexity = perplexity(self.last_eval_loss)
@@ -368,7 +371,8 @@ class Trainer:
             num_parameters=count_parameters(self.model),
             initial_eval_loss=self.initial_eval_loss,
             final_eval_loss=self.last_eval_loss,
-            final_eval_perplexity=perplexity(self.last_eval_loss),
+            final_eval_perplexity=(None if self.last_eval_loss is None
+                                   else perplexity(self.last_eval_loss)),
             tokens_per_s=steady_tokens_per_s(self.round, cfg.tokens_per_round,
                                              self.train_seconds, self.first_round_seconds),
             train_seconds=self.train_seconds,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -14,14 +15,15 @@ from isoloco_ray.config import ModelConfig
 
 def llama_config(model: ModelConfig, vocab_size: int) -> LlamaConfig:
     """The Hugging Face config of `model` with the data's vocabulary size."""
+    shape = model.shape
     return LlamaConfig(
-        vocab_size=model.vocab_size or vocab_size,
-        hidden_size=model.hidden_size,
-        intermediate_size=model.intermediate_size,
-        num_hidden_layers=model.num_layers,
-        num_attention_heads=model.num_heads,
-        num_key_value_heads=model.num_kv_heads,
-        max_position_embeddings=model.max_seq_len,
+        vocab_size=shape.vocab_size or vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_seq_len,
         tie_word_embeddings=False,
         use_cache=False,
         attention_dropout=0.0,  # nothing random in training: checkpoints hold no RNG state
@@ -60,9 +62,10 @@ class Runtime:
                ) -> Runtime:
         """`autocast`: "auto" (bf16 on GPU, off on CPU, where it is no faster), "bf16", "off"."""
         bf16 = autocast == "bf16" or (autocast == "auto" and device.type == "cuda")
-        return cls(device, bf16, torch.compile(model) if compile else model)
+        # torch.compile of a Module is a Module (an OptimizedModule sharing its parameters).
+        return cls(device, bf16, cast(nn.Module, torch.compile(model)) if compile else model)
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
         """The precision context forward passes run in."""
         if self.bf16:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)

@@ -15,9 +15,11 @@ the same.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import LlamaForCausalLM
 
 from isoloco_ray import aggregators
 from isoloco_ray.config import TrainConfig
@@ -26,14 +28,18 @@ from isoloco_ray.data.stream import ReplicaStream, read_with_pyarrow, replica_sh
 from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.workers.fragments import split_fragments
 from isoloco_ray.workers.model import build_model
-from isoloco_ray.workers.outer.step import OuterSync
+from isoloco_ray.workers.outer.step import OuterSync, outer_optimizer
 from isoloco_ray.workers.replica import make_inner_optimizer, schedule_at
 
 
-def make_replicas(cfg: TrainConfig, data_dir: DataDir) -> list[tuple]:
+# A reference loop's replica: its model, its AdamW with its LR schedule, its data stream.
+ReferenceReplica = tuple[LlamaForCausalLM, tuple[torch.optim.AdamW, LambdaLR], ReplicaStream]
+
+
+def make_replicas(cfg: TrainConfig, data_dir: DataDir) -> list[ReferenceReplica]:
     """Every replica of a reference loop: (its model, AdamW with its LR schedule, its data
     stream), the model starting from the run's seed."""
-    replicas, total = cfg.scaling.replicas, cfg.run.rounds * cfg.inner.steps
+    replicas, total = cfg.scaling.replicas, cfg.resolved.rounds * cfg.inner.steps
     dataset = Dataset.open(data_dir)
     vocab = dataset.meta.vocab_size
     out = []
@@ -45,13 +51,16 @@ def make_replicas(cfg: TrainConfig, data_dir: DataDir) -> list[tuple]:
     return out
 
 
-def inner_step(cfg: TrainConfig, model, optimizer_and_schedule, stream) -> None:
+def inner_step(cfg: TrainConfig, model: LlamaForCausalLM,
+               optimizer_and_schedule: tuple[torch.optim.AdamW, LambdaLR],
+               stream: ReplicaStream) -> None:
     """One inner AdamW step on a whole batch, the gradient clipped as the loop clips it."""
     optimizer, schedule = optimizer_and_schedule
     optimizer.zero_grad(set_to_none=True)
     batch = stream.next_batch()
     model(input_ids=batch, labels=batch).loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.clip)
+    if cfg.inner.clip is not None:  # null: no clipping
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.clip)
     optimizer.step()
     schedule.step()
 
@@ -70,8 +79,7 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
     hosted = cfg.scaling.replicas_per_worker
     theta = {n: p.detach().clone() for n, p in replicas[0][0].named_parameters()}
     resolved = OuterMerge.of(cfg.outer)
-    optimizer = aggregators.OuterOptimizer(lr=cfg.outer.lr, momentum=cfg.outer.momentum,
-                                           nesterov=cfg.outer.nesterov)
+    optimizer = outer_optimizer(cfg.outer)
     steps = cfg.inner.steps
     for round_index, present in enumerate(contributors):
         present = sorted(present)
@@ -115,19 +123,18 @@ def streaming_run(cfg: TrainConfig, data_dir: DataDir) -> dict[str, torch.Tensor
     replica's fragment becomes mix·local + (1 − mix)·global."""
     outer, steps = cfg.outer, cfg.inner.steps
     fragments, delay, mix = outer.fragments, outer.delay, outer.mix
-    total = cfg.run.rounds * steps
+    total = cfg.resolved.rounds * steps
     replicas = make_replicas(cfg, data_dir)
     models = [model for model, _, _ in replicas]
     theta = {n: p.detach().clone() for n, p in models[0].named_parameters()}
     parts = split_fragments({n: t.shape for n, t in theta.items()}, fragments)
     resolved = OuterMerge.of(outer)
     options = {key: getattr(outer, key) for key in resolved.options}
-    outer_opt = aggregators.OuterOptimizer(outer.lr, outer.momentum, outer.nesterov,
-                                           resolved.orthogonalize_update)
+    outer_opt = outer_optimizer(outer, resolved.orthogonalize_update)
     local = [dict(m.named_parameters()) for m in models]
 
     @torch.no_grad()
-    def land(part, deltas):
+    def land(part: Sequence[str], deltas: Sequence[Mapping[str, torch.Tensor]]) -> None:
         merged = aggregators.merge_all(resolved.merge, {n: [d[n] for d in deltas]
                                                         for n in part}, **options)
         outer_opt.step({n: theta[n] for n in part}, merged)
@@ -163,8 +170,9 @@ def run(cfg: TrainConfig, data_dir: DataDir) -> dict[str, torch.Tensor]:
     models = [model for model, _, _ in replicas]
     theta = {n: p.detach().clone() for n, p in models[0].named_parameters()}
     outer = OuterSync(cfg.outer, len(replicas), cfg.run.seed)
-    feedback = {r: {} for r in range(len(replicas))} if cfg.outer.error_feedback else None
-    for round_index in range(cfg.run.rounds):
+    feedback: dict[int, dict[str, torch.Tensor]] | None = (
+        {r: {} for r in range(len(replicas))} if cfg.outer.error_feedback else None)
+    for round_index in range(cfg.resolved.rounds):
         for replica in replicas:
             for _ in range(cfg.inner.steps):
                 inner_step(cfg, *replica)

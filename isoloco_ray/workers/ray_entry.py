@@ -23,7 +23,8 @@ from isoloco_ray.data.format import Dataset
 from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.export import ExportError, export_model
 from isoloco_ray.workers.layout import placement_warning
-from isoloco_ray.workers.loop import Metrics, Trainer, WorkerEnv
+from isoloco_ray.workers.loop import Trainer, WorkerEnv
+from isoloco_ray.workers.round_metrics import Metrics
 
 
 def kill_once_hook(spec: str | None) -> Callable[[int, int], None] | None:

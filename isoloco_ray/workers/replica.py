@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from isoloco_ray.config import InnerConfig
+from isoloco_ray.config import InnerConfig, settled
 from isoloco_ray.data.stream import ReplicaStream, StreamPosition
 from isoloco_ray.workers.checkpoint import CheckpointError
 from isoloco_ray.workers.layout import ReplicaShard
@@ -37,8 +37,9 @@ def make_inner_optimizer(model: nn.Module, inner: InnerConfig, total_steps: int,
                          fused: bool = False
                          ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over `model`'s parameters with the warmup-cosine schedule over `total_steps`."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=inner.lr, betas=inner.betas,
-                                  weight_decay=inner.weight_decay, fused=fused or None)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=settled(inner.lr, "inner.lr"), betas=inner.betas,
+        weight_decay=settled(inner.weight_decay, "inner.weight_decay"), fused=fused or None)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine(step, total_steps, inner.warmup))
     return optimizer, schedule
@@ -206,11 +207,12 @@ class Replica:
         The position is the count of sequences read this epoch and, to check it on resume, the
         shard file (its name) and row it stands at."""
         shard, row = self.stream.where()
-        state = {"optimizer": self.optimizer.state_dict(),
-                 "schedule": self.schedule.state_dict(),
-                 "stream": {"epoch": self.stream.position.epoch,
-                            "sequences": self.stream.position.sequences,
-                            "shard": Path(shard).name, "row": row}}
+        state: dict[str, Any] = {
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "stream": {"epoch": self.stream.position.epoch,
+                       "sequences": self.stream.position.sequences,
+                       "shard": Path(shard).name, "row": row}}
         if self.feedback:
             state["feedback"] = dict(self.feedback)
         if self.keeps_params:

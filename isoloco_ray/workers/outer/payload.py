@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from isoloco_ray import aggregators
-from isoloco_ray.config import OuterConfig
+from isoloco_ray.config import OuterConfig, settled
 from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.workers.outer.codec import Codec
 from isoloco_ray.workers.outer.route import Route
@@ -85,9 +85,12 @@ class Payloads:
         only; other tensors as they are)."""
         if delta.dim() != 2:
             return delta
+        outer = self.outer
         return aggregators.sparsify(
-            delta, self.outer.sparsity, prune=self.outer.prune, prune_dim=self.outer.prune_dim,
-            rescale=self.outer.rescale,
+            delta, settled(outer.sparsity, "outer.sparsity"),
+            prune=settled(outer.prune, "outer.prune"),
+            prune_dim=settled(outer.prune_dim, "outer.prune_dim"),
+            rescale=settled(outer.rescale, "outer.rescale"),
             generator=self.generators(round_index, [replica], name)[0])
 
     def generators(self, round_index: int, replicas: Sequence[int], tensor: str

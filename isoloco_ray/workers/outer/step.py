@@ -17,11 +17,12 @@ import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from isoloco_ray import aggregators
-from isoloco_ray.config import OuterConfig
+from isoloco_ray.config import OuterConfig, settled
 from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
 from isoloco_ray.workers.outer.payload import Payloads
@@ -69,6 +70,16 @@ def stopwatch(stats: OuterStepStats, field_name: str, device: torch.device) -> I
     setattr(stats, field_name, getattr(stats, field_name) + now() - started)
 
 
+def outer_optimizer(outer: OuterConfig, orthogonalize_update: bool = False
+                    ) -> aggregators.OuterOptimizer:
+    """The outer optimizer of validated settings `outer` (its lr, momentum and Nesterov the
+    strategy's where left unset)."""
+    return aggregators.OuterOptimizer(
+        lr=settled(outer.lr, "outer.lr"), momentum=settled(outer.momentum, "outer.momentum"),
+        nesterov=settled(outer.nesterov, "outer.nesterov"),
+        orthogonalize_update=orthogonalize_update)
+
+
 class OuterSync:
     """Turns the hosted replicas' Δ_r into the global update; holds this rank's share of the
     outer optimizer state (momentum of the tensors it owns; all of them when replicated)."""
@@ -91,9 +102,7 @@ class OuterSync:
         self.route = Route.choose(outer, self.resolved)  # chosen once: route.py
         self.transport = Transport(outer.comm_dtype, group, outer.topk)
         self.payloads = Payloads(outer, self.resolved, self.route, self.transport.codec, seed)
-        self.optimizer = aggregators.OuterOptimizer(
-            lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov,
-            orthogonalize_update=self.resolved.orthogonalize_update)
+        self.optimizer = outer_optimizer(outer, self.resolved.orthogonalize_update)
         self._plans: dict[tuple[str, ...], OuterPlan] = {}
 
     def plan(self, shapes: Mapping[str, torch.Size]) -> OuterPlan:
@@ -112,11 +121,11 @@ class OuterSync:
             return True
         return any(plan.owners.get(name) == self.rank for plan in self._plans.values())
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The outer optimizer's state with the momentum buffers this rank holds."""
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state: Mapping, shapes: Mapping[str, torch.Size],
+    def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, torch.Size],
                         fragments: Sequence[Sequence[str]] | None = None) -> None:
         """Restore from a checkpoint's outer state whose "buffers" hold every saved buffer
         (all ranks' files together), keeping those this rank holds under the current plan of
