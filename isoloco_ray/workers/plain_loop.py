@@ -163,7 +163,7 @@ def run(cfg: TrainConfig, data_dir: DataDir) -> dict[str, torch.Tensor]:
     """DiLoCo without streaming, written plainly in one process: every replica a model of its
     own taking H inner steps on whole batches, then one outer step of the package's OuterSync
     (its merges, codecs and error feedback are checked against plain references of their own
-    in test_aggregators, test_codec and test_outer_sync) on every Δ_r, and every replica
+    in tests/aggregators and tests/workers/outer) on every Δ_r, and every replica
     starting again from θ. The same arithmetic as the training loop with its streaming
     settings off, so the two agree bit for bit on any CPU."""
     replicas = make_replicas(cfg, data_dir)

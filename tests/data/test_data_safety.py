@@ -42,7 +42,7 @@ from isoloco_ray.data.stream import (
 
 from isoloco_ray.testing import synthetic_documents
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # A small recipe for the CLI: BPE of 300 tokens, blocks of 32, 8 blocks a shard.
 CLI = ["--tokenizer", "train-bpe:300", "--block-len", "32", "--shard-blocks", "8",
        "--workers", "1", "--quiet"]
