@@ -47,7 +47,8 @@ from isoloco_ray.grids.resume import TUNE_DIR, new_experiment_name, read_manifes
 from isoloco_ray.grids.scheduler import describe_scheduler, make_scheduler
 from isoloco_ray.grids.search import SearchState, make_searcher, search_of, search_state
 from isoloco_ray.grids.trainable import run_trial, trial_name, trial_space
-from isoloco_ray.report import RunRecord, print_report, write_report
+from isoloco_ray.report import print_report, write_report
+from isoloco_ray.run_records import RunRecord
 from isoloco_ray.storage import check_writable
 
 

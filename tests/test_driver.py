@@ -10,7 +10,7 @@ import pytest
 from helpers import TINY_RUN
 from isoloco_ray import driver, run_files, train
 from isoloco_ray.config import ConfigError, load_config
-from isoloco_ray.report import last_error_line
+from isoloco_ray.run_records import last_error_line
 
 TINY = TINY_RUN + ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--inner.steps=3",
                    "--run.rounds=2"]

@@ -70,5 +70,6 @@ def test_the_pure_parts_import_neither_ray_nor_collectives():
         assert not uses(name, "ray") and not uses(name, "torch.distributed"), name
         assert not uses(name, "isoloco_ray.workers"), name
     for name in ("isoloco_ray.workers.loop", "isoloco_ray.data.stream",
-                 "isoloco_ray.data.checks", "isoloco_ray.config", "isoloco_ray.metrics"):
+                 "isoloco_ray.data.checks", "isoloco_ray.config", "isoloco_ray.metrics",
+                 "isoloco_ray.run_records", "isoloco_ray.report"):
         assert not uses(name, "ray"), name

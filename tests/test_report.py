@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from isoloco_ray import report, strict_json
+from isoloco_ray import report, run_records, strict_json
 from isoloco_ray.config import load_config
 
 
@@ -167,7 +167,7 @@ def test_non_finite_trials_rank_last_are_diverged_and_never_best(tmp_path, capsy
     summary = tmp_path / "runs" / "1-isoc" / "summary.json"
     summary.write_text(strict_json.dumps(json.loads(summary.read_text())))
     assert '"final_eval_loss": null' in summary.read_text()
-    loaded = report.load_report(tmp_path)
+    loaded = run_records.load_report(tmp_path)
     assert [(r.name, r.status) for r in loaded.ranked()][2:] == [("1-isoc", "diverged"),
                                                                 ("2-tsv", "diverged")]
     assert loaded.best().name == "3-diloco"

@@ -17,7 +17,7 @@ from isoloco_ray.grids.scheduler import describe_scheduler
 from isoloco_ray.grids.search import STARTUP_TRIALS, first_proposals
 from isoloco_ray.grids.trainable import trial_name, trial_run_dir
 from isoloco_ray.metrics import format_progress
-from isoloco_ray.report import finite, last_error_line
+from isoloco_ray.run_records import finite, last_error_line
 
 
 def print_plan(plan: GridPlan) -> None:

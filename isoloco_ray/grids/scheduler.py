@@ -9,7 +9,7 @@ from typing import Any
 from isoloco_ray import run_files, strict_json
 from isoloco_ray.grids.spec import SchedulerSpec
 from isoloco_ray.grids.trainable import trial_run_dir
-from isoloco_ray.report import finite
+from isoloco_ray.run_records import finite
 
 
 def describe_scheduler(spec: SchedulerSpec) -> str:

@@ -13,7 +13,7 @@ from isoloco_ray.grids.expand import Search, Trial
 from isoloco_ray.grids.plan import GridPlan, trial_entry
 from isoloco_ray.grids.resume import run_is_over
 from isoloco_ray.grids.trainable import trial_space
-from isoloco_ray.report import finite, last_error_line, load_run
+from isoloco_ray.run_records import finite, last_error_line, load_run
 
 # Proposals of each grid point's searcher drawn at random (seeded) before TPE models the
 # results (Optuna's default, named so that --dry-run can say which proposals are fixed).
