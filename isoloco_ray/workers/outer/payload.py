@@ -19,16 +19,23 @@ from isoloco_ray.workers.outer.codec import Codec
 from isoloco_ray.workers.outer.route import Route
 
 
-def pruning_generator(seed: int, round_index: int, replica: int, tensor: str
-                      ) -> torch.Generator:
-    """The random-pruning stream of one replica's tensor in one round.
+CPU = torch.device("cpu")
+
+
+def pruning_generator(seed: int, round_index: int, replica: int, tensor: str,
+                      device: torch.device = CPU) -> torch.Generator:
+    """The random-pruning stream of one replica's tensor in one round, on `device` (the
+    tensor's: the mask is drawn where the Δ is, never copied over from the host).
 
     Keyed by all four, so the mask depends neither on the layout, nor on which rank merges
     the tensor, nor on the order tensors are visited in, and shares nothing with the other
-    random streams (data order, init): switching strategies changes nothing else.
+    random streams (data order, init): switching strategies changes nothing else. A CUDA
+    stream of the same key draws other numbers than a CPU one (and may on another GPU model):
+    the same masks on every rank and across a resume hold on one kind of device, which is what
+    a run uses.
     """
     key = zlib.crc32(f"prune/{seed}/{round_index}/{replica}/{tensor}".encode())
-    return torch.Generator().manual_seed(key)
+    return torch.Generator(device=device).manual_seed(key)
 
 
 class Payloads:
@@ -91,13 +98,13 @@ class Payloads:
             prune=settled(outer.prune, "outer.prune"),
             prune_dim=settled(outer.prune_dim, "outer.prune_dim"),
             rescale=settled(outer.rescale, "outer.rescale"),
-            generator=self.generators(round_index, [replica], name)[0])
+            generator=self.generators(round_index, [replica], name, delta.device)[0])
 
-    def generators(self, round_index: int, replicas: Sequence[int], tensor: str
-                   ) -> list[torch.Generator | None]:
-        """The random-pruning stream of each of `replicas` for `tensor` this round (None when
-        pruning is by magnitude), wherever the mask is drawn: on the replica's host or at the
-        tensor's owner."""
+    def generators(self, round_index: int, replicas: Sequence[int], tensor: str,
+                   device: torch.device) -> list[torch.Generator | None]:
+        """The random-pruning stream of each of `replicas` for `tensor` this round on `device`
+        (None when pruning is by magnitude), wherever the mask is drawn: on the replica's host
+        or at the tensor's owner."""
         if self.outer.prune != "random":
             return [None] * len(replicas)
-        return [pruning_generator(self.seed, round_index, r, tensor) for r in replicas]
+        return [pruning_generator(self.seed, round_index, r, tensor, device) for r in replicas]

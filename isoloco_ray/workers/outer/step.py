@@ -317,6 +317,6 @@ class OuterSync:
             # Each replica's mask from its own stream (see pruning_generator): tensor by tensor.
             return {name: aggregators.merge(
                 self.merge, deltas, **options,
-                generator=self.payloads.generators(round_index, good, name))
+                generator=self.payloads.generators(round_index, good, name, deltas[0].device))
                 for name, deltas in gathered.items()}
         return aggregators.merge_all(self.merge, gathered, **options)
