@@ -9,7 +9,7 @@ from isoloco_ray.config.train_config import TrainConfig
 # What a resumed run must share with the run that wrote its checkpoint: these define the math.
 RESUME_MUST_MATCH = ("model", "data", "scaling", "inner", "outer")
 # Within those, what a resumed run may change: it moves work between workers, not the math.
-RESUME_MAY_CHANGE = ("outer.placement",)
+RESUME_MAY_CHANGE = ("outer.placement", "model.activation_checkpointing")
 
 
 def config_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]:

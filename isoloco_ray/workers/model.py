@@ -35,6 +35,14 @@ def build_model(model: ModelConfig, vocab_size: int, seed: int) -> LlamaForCausa
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = LlamaForCausalLM(llama_config(model, vocab_size))
+    if model.activation_checkpointing:
+        # Non-reentrant: recomputes under the same autocast and grad mode as the forward.
+        # transformers 5 renamed gradient_checkpointing_enable (kept as a deprecated alias).
+        kwargs = {"use_reentrant": False}
+        if hasattr(net, "activation_checkpointing_enable"):
+            net.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            net.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return net.float()
 
 

@@ -377,6 +377,7 @@ def test_unknown_yaml_field_is_named(tmp_path):
 def test_resume_may_change_placement_but_not_the_math():
     saved = load_config(["--outer.placement=rank0"]).model_dump(mode="json")
     assert config_differences(saved, load_config([])) == []
+    assert config_differences(saved, load_config(["--model.activation_checkpointing=true"])) == []
     assert config_differences(saved, load_config(["--outer.comm_dtype=bfloat16"])) == [
         "outer.comm_dtype"]
 

@@ -114,6 +114,36 @@ def test_bf16_autocast_and_micro_batches_train(small_dataset):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
+@pytest.mark.parametrize("autocast", ["off", "bf16"])
+def test_activation_checkpointing_trains_the_same_model(small_dataset, autocast):
+    """Recomputing each block in the backward pass gives the same numbers, bit for bit, in
+    float32 and under bf16 autocast (the GPU default), and keeps only the blocks' inputs."""
+    flags = TINY + ["--scaling.replicas_per_worker=2", f"--run.autocast={autocast}"]
+    summary_kept, params_kept = run_local(load_config(flags), small_dataset)
+    summary_recomputed, params_recomputed = run_local(
+        load_config(flags + ["--model.activation_checkpointing=true"]), small_dataset)
+    assert params_recomputed.keys() == params_kept.keys()
+    for name, value in params_kept.items():
+        assert torch.equal(params_recomputed[name], value), name
+    assert summary_recomputed["final_eval_loss"] == summary_kept["final_eval_loss"]
+
+
+def test_activation_checkpointing_saves_only_the_blocks_inputs():
+    from isoloco_ray.workers.model import build_model
+
+    def saved_bytes(flags: list[str]) -> int:
+        model = build_model(load_config(["--model.preset=tiny", *flags]).model, 300, seed=0)
+        model.train()
+        saved = []
+        batch = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(0))
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+            model(input_ids=batch, labels=batch).loss.backward()
+        return sum(saved)
+
+    assert saved_bytes(["--model.activation_checkpointing=true"]) < 0.6 * saved_bytes([])
+
+
 def test_gradient_accumulation_matches_whole_batch():
     from isoloco_ray.workers.model import Runtime, build_model
     from isoloco_ray.workers.replica import accumulate_gradients
