@@ -20,8 +20,9 @@ import time
 
 import torch
 
-from isoloco_ray.config import InnerConfig, ModelConfig
-from isoloco_ray.workers.model import Runtime, build_model, count_parameters
+from isoloco_ray import gpu_memory
+from isoloco_ray.config import InnerConfig, ModelConfig, load_config
+from isoloco_ray.workers.model import Runtime, build_model, count_parameters, parameter_shapes
 from isoloco_ray.workers.replica import inner_step, make_inner_optimizer
 
 
@@ -85,8 +86,23 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
         "tokens_per_s": tokens_per_s, "mfu": 6 * params * tokens_per_s / args.peak_flops,
         "peak_mem_gib": (torch.cuda.max_memory_allocated(device) / 2**30
                          if device.type == "cuda" else 0.0),
+        "estimated_mem_gib": estimated_gib(args),
         "loss": float(loss),
     }
+
+
+def estimated_gib(args: argparse.Namespace) -> float:
+    """gpu_memory's estimate of what this measurement holds: the model, its gradients and
+    AdamW moments, and one micro-batch's activations and logits (no θ, no outer step)."""
+    cfg = load_config([f"--model.preset={args.preset}", f"--data.seq_len={args.seq_len}",
+                       f"--data.batch_size={args.batch}",
+                       f"--data.micro_batch_size={args.micro_batch or args.batch}",
+                       f"--run.autocast={args.autocast}", "--scaling.replicas=1",
+                       "--scaling.replicas_per_worker=1",
+                       f"--scaling.use_gpu={args.device.startswith('cuda')}"])
+    memory = gpu_memory.estimate(cfg, parameter_shapes(cfg.model, args.vocab), args.vocab)
+    held = sum(memory.state[part] for part in ("parameters", "gradients", "AdamW moments"))
+    return (held + sum(memory.step.values())) / gpu_memory.GIB
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{result['preset']:>5} {result['params'] / 1e6:7.1f}M  bf16={result['bf16']!s:5} "
           f"compile={result['compile']!s:5} batch {result['batch']}x{result['seq_len']}: "
           f"{result['step_ms']:8.1f} ms/step {result['tokens_per_s']:>12,.0f} tok/s "
-          f"MFU {100 * result['mfu']:5.1f}%  peak mem {result['peak_mem_gib']:.1f} GiB")
+          f"MFU {100 * result['mfu']:5.1f}%  peak mem {result['peak_mem_gib']:.1f} GiB "
+          f"(estimated {result['estimated_mem_gib']:.1f})")
 
 
 if __name__ == "__main__":

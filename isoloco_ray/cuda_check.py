@@ -4,7 +4,9 @@ The torch that `pip install -e .` gets on Linux x86_64 is PyTorch's CUDA 13.0 bu
 needs an NVIDIA driver of branch 580 or newer. On a node with an older driver every worker
 would fail at its first CUDA call and Ray Train would restart them all, run.max_failures
 times, for nothing. So the driver probes each GPU node once (a Ray task holding one GPU there)
-and refuses the run with the node, the driver's and torch's versions and the fix.
+and refuses the run with the node, the driver's and torch's versions and the fix. The same
+probe reports each GPU's memory, against which the run's bytes per worker are checked
+(gpu_memory.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from isoloco_ray.config import ConfigError
+from isoloco_ray.gpu_memory import GpuMemory
 
 # How long the probes may wait for a GPU (another job may hold them all).
 PROBE_TIMEOUT_SECONDS = 120.0
@@ -60,6 +63,16 @@ def cuda_problem() -> str | None:
     return None
 
 
+def probe_gpu() -> tuple[str | None, int | None]:
+    """`cuda_problem()`, and when CUDA works the memory of the GPU this process sees (bytes)."""
+    import torch
+
+    problem = cuda_problem()
+    if problem is not None:
+        return problem, None
+    return None, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
 def refuse_unusable(problems: Sequence[str | None], unreached: int) -> None:
     """ConfigError with the first GPU node's problem (and how many more have one); a warning
     when `unreached` nodes could not be probed in time (training goes on: their workers will
@@ -73,14 +86,28 @@ def refuse_unusable(problems: Sequence[str | None], unreached: int) -> None:
               f"within {PROBE_TIMEOUT_SECONDS:g} s", file=sys.stderr, flush=True)
 
 
-def check_cuda_on_gpu_nodes(timeout: float = PROBE_TIMEOUT_SECONDS) -> None:
-    """Probe every live GPU node of the connected Ray cluster (`cuda_problem` in a task
+def check_memory(memory: GpuMemory, gpu_bytes: Sequence[int]) -> None:
+    """Refuse a run whose training state exceeds the smallest of the probed GPUs, warn when
+    its estimated peak comes close (`GpuMemory.check`); print what it needs against what it
+    has. Nothing when no GPU was probed."""
+    if not gpu_bytes:
+        return
+    smallest = min(gpu_bytes)
+    warning = memory.check(smallest)
+    print(memory.summary(smallest), flush=True)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+
+
+def check_cuda_on_gpu_nodes(timeout: float = PROBE_TIMEOUT_SECONDS,
+                            memory: GpuMemory | None = None) -> None:
+    """Probe every live GPU node of the connected Ray cluster (`probe_gpu` in a task
     holding one of its GPUs) and refuse the run if CUDA is unusable on any
-    (`refuse_unusable`)."""
+    (`refuse_unusable`) or, given the run's `memory`, if it cannot fit (`check_memory`)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    probe = ray.remote(num_gpus=1, num_cpus=0, max_retries=0)(cuda_problem)
+    probe = ray.remote(num_gpus=1, num_cpus=0, max_retries=0)(probe_gpu)
     refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
         node["NodeID"], soft=False)).remote()
         for node in ray.nodes() if node["Alive"] and node["Resources"].get("GPU", 0) >= 1]
@@ -89,4 +116,7 @@ def check_cuda_on_gpu_nodes(timeout: float = PROBE_TIMEOUT_SECONDS) -> None:
     ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
     for ref in pending:
         ray.cancel(ref, force=True)
-    refuse_unusable(ray.get(ready), len(pending))
+    results = ray.get(ready)
+    refuse_unusable([problem for problem, _ in results], len(pending))
+    if memory is not None:
+        check_memory(memory, [total for _, total in results if total])

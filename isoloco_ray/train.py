@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray import run_files
+from isoloco_ray import gpu_memory, run_files
 from isoloco_ray.config import ConfigError, ScalingConfig, TrainConfig, load_config
 from isoloco_ray.data.checks import epochs, validated_dataset
 from isoloco_ray.data.format import DataError, Dataset
@@ -107,19 +107,21 @@ def with_cpus_per_worker(cfg: TrainConfig, saved: dict[str, Any] | None = None) 
     return cfg.model_copy(update={"scaling": scaling})
 
 
-def start_ray(cfg: TrainConfig, *, dashboard: bool = False) -> None:
+def start_ray(cfg: TrainConfig, *, dashboard: bool = False,
+              memory: gpu_memory.GpuMemory | None = None) -> None:
     """Join the cluster named by RAY_ADDRESS (e.g. under `ray job submit`), or start a local one
     with more logical CPUs than cores: Ray Data's read tasks need slots beside the workers;
     then check it has the GPUs the run asks for (`check_gpus`) and that CUDA works on them
     (`cuda_check`). An unset scaling.cpus_per_worker counts as 1 here (main resolves it
     first). `dashboard`: a local cluster also runs Ray's dashboard (on 127.0.0.1), which
-    serves the state API."""
+    serves the state API. `memory`: a GPU run's bytes per worker, checked against the GPUs
+    (gpu_memory.py)."""
     _join_or_start_ray(cfg, dashboard)
     check_gpus(cfg, joined=joined_cluster())
     if cfg.scaling.use_gpu:
         from isoloco_ray.cuda_check import check_cuda_on_gpu_nodes
 
-        check_cuda_on_gpu_nodes()
+        check_cuda_on_gpu_nodes(memory=memory)
 
 
 def _join_or_start_ray(cfg: TrainConfig, dashboard: bool) -> None:
@@ -222,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         return train_run(cfg, dataset, run_dir)
 
 
+def gpu_memory_of(cfg: TrainConfig, dataset: Dataset) -> gpu_memory.GpuMemory:
+    """The bytes one GPU worker of the run will hold (gpu_memory.py)."""
+    from isoloco_ray.workers.model import parameter_shapes
+
+    vocab = cfg.model.vocab_size or dataset.meta.vocab_size
+    return gpu_memory.estimate(cfg, parameter_shapes(cfg.model, vocab), vocab)
+
+
 def train_run(cfg: TrainConfig, dataset: Dataset, run_dir: Path) -> int:
     """`main` once the run directory is held: resume or start the run, then summarise it;
     returns the exit status."""
@@ -236,7 +246,7 @@ def train_run(cfg: TrainConfig, dataset: Dataset, run_dir: Path) -> int:
         check_run_dir(cfg, run_dir, saved)
         if saved is not None:
             print(f"resuming {run_dir} from its latest checkpoint", flush=True)
-        start_ray(cfg)
+        start_ray(cfg, memory=gpu_memory_of(cfg, dataset) if cfg.scaling.use_gpu else None)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -252,3 +252,21 @@ def _no_ray_unless_marked(request, monkeypatch):
     if started:
         pytest.fail(f"this test started Ray processes {sorted(started)}: give it the "
                     "ray_cluster fixture (or own_ray), which marks it `ray`")
+
+
+@pytest.fixture
+def cluster_without_gpus(monkeypatch):
+    """A running Ray cluster as train.start_ray sees it: 8 CPUs, no GPU (no Ray started)."""
+    import ray
+
+    from isoloco_ray import driver, train
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
+    monkeypatch.setattr(train, "GPU_WAIT_SECONDS", 0.3)
+    monkeypatch.setattr(train, "GPU_POLL_SECONDS", 0.05)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(driver, "fit", no_training)

@@ -7,6 +7,7 @@ import os
 import sys
 
 from isoloco_ray.config import TrainConfig
+from isoloco_ray.gpu_memory import GpuMemory
 from isoloco_ray.grids.plan import GridPlan
 
 # Logical CPUs a trial needs beyond its driver and workers: Ray Data's read tasks.
@@ -18,6 +19,23 @@ def trial_needs(cfg: TrainConfig, trial_cpus: float) -> dict[str, float]:
     workers = cfg.scaling.num_workers
     return {"CPU": trial_cpus + workers * cfg.scaling.worker_cpus + DATA_CPUS,
             "GPU": float(workers) if cfg.scaling.use_gpu else 0.0}
+
+
+def largest_gpu_memory(plan: GridPlan) -> GpuMemory | None:
+    """The bytes per GPU worker of the grid's hungriest GPU trial (most state, then highest
+    estimated peak), which start_ray checks against the GPUs; None without GPU trials."""
+    from isoloco_ray.data.format import Dataset
+    from isoloco_ray.train import gpu_memory_of
+
+    datasets: dict[str, Dataset] = {}
+    memories = []
+    for trial in plan.trials:
+        if trial.config.scaling.use_gpu and trial.data_dir is not None:
+            key = str(trial.data_dir)
+            if key not in datasets:
+                datasets[key] = Dataset.open(trial.data_dir)
+            memories.append(gpu_memory_of(trial.config, datasets[key]))
+    return max(memories, key=lambda m: (m.state_bytes, m.peak_bytes), default=None)
 
 
 def start_cluster(plan: GridPlan, requested: int | None, count: int | None = None) -> int:
@@ -44,7 +62,7 @@ def start_cluster(plan: GridPlan, requested: int | None, count: int | None = Non
     # which the dashboard serves, whether a trial's TrainController is alive. Without it, the
     # workers' placement group of a trial that Tune stopped (a scheduler's verdict, a failed
     # trial) is never removed, and the next trial waits for those CPUs forever.
-    start_ray(cfg, dashboard=True)
+    start_ray(cfg, dashboard=True, memory=largest_gpu_memory(plan))
     available = ray.cluster_resources()
     fits = min(int(available.get(key, 0.0) // value) for key, value in need.items() if value)
     if requested is not None:

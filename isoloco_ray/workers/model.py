@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import cast
 
@@ -51,10 +52,17 @@ def count_parameters(net: torch.nn.Module) -> int:
     return sum(p.numel() for p in net.parameters() if p.requires_grad)
 
 
+def parameter_shapes(model: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """The shape of every trainable parameter of the model `build_model` makes, without
+    allocating it."""
+    with torch.device("meta"):
+        net = LlamaForCausalLM(llama_config(model, vocab_size))
+    return {name: tuple(p.shape) for name, p in net.named_parameters() if p.requires_grad}
+
+
 def parameters_of(model: ModelConfig, vocab_size: int) -> int:
     """count_parameters of the model `build_model` makes, without allocating it."""
-    with torch.device("meta"):
-        return count_parameters(LlamaForCausalLM(llama_config(model, vocab_size)))
+    return sum(math.prod(shape) for shape in parameter_shapes(model, vocab_size).values())
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from isoloco_ray.config import ConfigError, TrainConfig, config_differences, load_config
-from isoloco_ray import driver, train
+from isoloco_ray import train
 
 
 def test_defaults_are_the_demo_run():
@@ -208,22 +208,6 @@ def test_cli_error_exits_2_without_traceback_or_ray(capsys, no_ray):
     assert "Traceback" not in err
 
 
-@pytest.fixture
-def cluster_without_gpus(monkeypatch):
-    """A running Ray cluster as train.start_ray sees it: 8 CPUs, no GPU (no Ray started)."""
-    import ray
-
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
-    monkeypatch.setattr(train, "GPU_WAIT_SECONDS", 0.3)
-    monkeypatch.setattr(train, "GPU_POLL_SECONDS", 0.05)
-
-    def no_training(*args, **kwargs):
-        raise AssertionError("training started")
-
-    monkeypatch.setattr(driver, "fit", no_training)
-
-
 @pytest.mark.parametrize("joined", [False, True], ids=["local", "joined"])
 def test_use_gpu_without_gpus_is_refused_before_training(small_dataset, tmp_path, capsys,
                                                          monkeypatch, cluster_without_gpus,
@@ -266,8 +250,9 @@ def test_a_gpu_run_where_cuda_is_unusable_is_refused_before_training(
     from isoloco_ray import cuda_check
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
-    monkeypatch.setattr(cuda_check, "check_cuda_on_gpu_nodes", lambda: cuda_check.refuse_unusable(
-        [None, "CUDA is not usable on gpu-node-2: <the probe's line>"], 0))
+    monkeypatch.setattr(cuda_check, "check_cuda_on_gpu_nodes", lambda memory: (
+        cuda_check.refuse_unusable([None, "CUDA is not usable on gpu-node-2: <the probe's line>"],
+                                   0)))
     status = train.main(["--model.preset=tiny", f"--data.path={small_dataset}",
                          "--data.seq_len=64", "--scaling.replicas=2",
                          "--scaling.replicas_per_worker=1", "--scaling.use_gpu=true",

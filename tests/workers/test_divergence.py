@@ -130,7 +130,7 @@ def test_summary_json_is_strict(tmp_path, small_dataset):
 
 def test_a_run_that_stopped_exits_1_without_a_summary(small_dataset, tmp_path, monkeypatch,
                                                        capsys):
-    monkeypatch.setattr(train, "start_ray", lambda cfg: None)
+    monkeypatch.setattr(train, "start_ray", lambda cfg, **options: None)
     monkeypatch.setattr(driver, "fit", lambda *args, **kwargs: {
         "error": "the global parameters are not finite after the outer step of round 1",
         "rounds": 1})
