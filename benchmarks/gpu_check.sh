@@ -5,6 +5,11 @@
 #   2. a full outer round with two replicas on one GPU worker, isoloco and tsv
 #                                                                 benchmarks/gpu_round.py
 #   3. merge speed on the GPU against per-tensor SVDs             benchmarks/merge.py
+#   4. agreement: wire codecs on the GPU decode as on the CPU; a background (outer.delay) sync
+#      is repeatable and matches the CPU's; a resume is bit for bit   benchmarks/gpu_agree.py
+#   5. a Ray Train run of one GPU worker (the train CLI, tiny model), with the memory check's
+#      figures                                                    python -m isoloco_ray.train
+# Writes the table to $OUT/gpu_check.json too; exit status 1 when a check failed.
 #
 # The machine it runs on may reach no network: prepare the Python environment beforehand
 # (Python >= 3.11 with the CUDA build of torch==2.13.0, ray[default,train,tune,data]==2.60.0,
@@ -27,6 +32,9 @@ mkdir -p "$OUT"
 
 "$PYTHON" -c "import isoloco_ray" 2>/dev/null ||
   "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+"$PYTHON" -c "import torch, ray, isoloco_ray" || {
+  echo "$PYTHON cannot import torch, ray and isoloco_ray: activate the environment described" \
+       "above, or point PYTHON at its python" >&2; exit 1; }
 
 if [[ "${1:-}" == "--cpu" ]]; then   # the same steps at sizes a laptop CPU finishes
   DEV=cpu
@@ -34,6 +42,7 @@ if [[ "${1:-}" == "--cpu" ]]; then   # the same steps at sizes a laptop CPU fini
   ROUND=(--device cpu --preset tiny --steps 1 --rounds 1 --batch 2 --seq-len 64 --documents 1500)
   MERGE=(--device cpu --model demo --blocks 1 --replicas 2 --strategies isoc tsv)
   PRESETS=(tiny demo)
+  GPU=false
 else
   DEV=cuda
   "$PYTHON" - <<'PY' || exit 1
@@ -47,6 +56,7 @@ PY
   # One block: the float64 SVD baseline of the 32000x1024 embedding must fit the 100 s limit.
   MERGE=(--device cuda --blocks 1)
   PRESETS=(tiny 178M)
+  GPU=true
 fi
 
 ROWS=()
@@ -80,9 +90,25 @@ step "step-${PRESETS[1]}" 75 --preset "${PRESETS[1]}" --batch 16 --seq-len 2048
 check round 130 "tok/s" "$PYTHON" benchmarks/gpu_round.py "${ROUND[@]}" --strategies isoloco tsv
 # merge.py's summary table: the header and one row per strategy.
 check merge 100 "^(strategy|isoc|tsv|isocts|ties|mean) " "$PYTHON" benchmarks/merge.py "${MERGE[@]}"
+check agree 120 "^(codecs|background|resume): " "$PYTHON" benchmarks/gpu_agree.py \
+  --device "$DEV" --data-dir "$OUT/data" --json "$OUT/agree.json"
+check train 240 "^(GPU memory per worker|final eval loss)" "$PYTHON" -m isoloco_ray.train \
+  --model.preset=tiny --data.path="$OUT/data" --data.seq_len=64 --data.batch_size=4 \
+  --scaling.replicas=2 --scaling.replicas_per_worker=2 --scaling.use_gpu=$GPU \
+  --inner.steps=4 --run.rounds=2 --run.eval_tokens=256 --run.storage_path="$OUT/runs" \
+  --run.name="gpu-check-$(date +%s)"
 
 echo
 echo "GPU check ($DEV, peak ${PEAK_FLOPS} FLOPS; logs in $OUT)"
 printf '%-24s | %s\n' "check" "result"
 printf '%-24s-+-%s\n' "------------------------" "------------------------------------------"
 for row in "${ROWS[@]}"; do printf '%-24s | %s\n' "${row%%|*}" "${row#*|}"; done
+printf '%s\n' "${ROWS[@]}" | "$PYTHON" -c '
+import json, sys
+rows = [line.rstrip("\n").split("|", 1) for line in sys.stdin if line.strip()]
+json.dump({"device": sys.argv[1], "rows": [{"check": c, "result": r} for c, r in rows]},
+          open(sys.argv[2], "w"), indent=1)' "$DEV" "$OUT/gpu_check.json"
+for row in "${ROWS[@]}"; do
+  [[ ${row#*|} == FAILED* || ${row#*|} == TIMEOUT* ]] && exit 1
+done
+exit 0
