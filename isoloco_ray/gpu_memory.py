@@ -33,12 +33,14 @@ WARN_FRACTION = 0.9
 
 @dataclass(frozen=True)
 class GpuMemory:
-    """One GPU worker's bytes, by part: `state` exact, `peak` the estimated extra at the
-    busiest moment (a training step or an outer sync, whichever holds more)."""
+    """One GPU worker's bytes, by part: the training `state`, exact; what a training `step`
+    and an outer `sync` hold on top of it, estimated. `replicas_per_worker`: the replicas it
+    hosts (at the fewest workers the run may use), which the fix names."""
 
     state: dict[str, int]
     step: dict[str, int]
     sync: dict[str, int]
+    replicas_per_worker: int
 
     @property
     def state_bytes(self) -> int:
@@ -66,12 +68,16 @@ class GpuMemory:
         None."""
         gpu = f"{gpu_bytes / GIB:.1f} GiB"
         if self.state_bytes > gpu_bytes:
+            fix = ("lower scaling.replicas_per_worker (more workers, each hosting fewer "
+                   "replicas; with scaling.min_workers, raise it too) or choose a smaller model"
+                   if self.replicas_per_worker > 1 else
+                   "choose a smaller model (model.preset) or GPUs with more memory")
+            field = ("scaling.replicas_per_worker" if self.replicas_per_worker > 1
+                     else "model.preset")
             raise ConfigError(
-                f"scaling.replicas_per_worker: one GPU worker would hold "
-                f"{self.state_bytes / GIB:.1f} GiB of training state "
-                f"({self.describe(self.state)}), more than its GPU's {gpu}; lower "
-                "scaling.replicas_per_worker (more workers, each hosting fewer replicas) or "
-                "choose a smaller model")
+                f"{field}: one GPU worker would hold {self.state_bytes / GIB:.1f} GiB of "
+                f"training state ({self.describe(self.state)}), more than its GPU's {gpu}; "
+                f"{fix}")
         if self.peak_bytes > WARN_FRACTION * gpu_bytes:
             extra = self.step if sum(self.step.values()) >= sum(self.sync.values()) else self.sync
             return (f"warning: one GPU worker is estimated to peak at "
@@ -117,7 +123,7 @@ def estimate(cfg: TrainConfig, shapes: Mapping[str, Sequence[int]], vocab_size: 
             sync["merge work"] = 3 * FLOAT64 * scaling.replicas * largest
         if outer.delay or outer.mix:  # Δ_r taken beside θ_r, not over it
             sync["pseudo-gradients in flight"] = model * hosted // outer.fragments
-    return GpuMemory(state, _step_bytes(cfg, vocab_size), sync)
+    return GpuMemory(state, _step_bytes(cfg, vocab_size), sync, hosted)
 
 
 def _step_bytes(cfg: TrainConfig, vocab_size: int) -> dict[str, int]:

@@ -73,7 +73,8 @@ def test_more_replicas_per_worker_than_fit_are_refused_with_the_fix():
             r"^scaling.replicas_per_worker: one GPU worker would hold 53.4 GiB of training "
             r"state \(AdamW moments 30.5, replicas' own parameters 15.3, .*\), more than its "
             r"GPU's 40.0 GiB; lower scaling.replicas_per_worker \(more workers, each hosting "
-            r"fewer replicas\) or choose a smaller model$")):
+            r"fewer replicas; with scaling.min_workers, raise it too\) or choose a smaller "
+            r"model$")):
         memory.check(40 * 2**30)
     warning = memory.check(64 * 2**30)
     assert warning is not None and warning.startswith(
@@ -116,9 +117,11 @@ def test_a_gpu_run_that_cannot_fit_is_refused_before_training(
                          "--scaling.replicas_per_worker=1", "--scaling.use_gpu=true",
                          f"--run.storage_path={tmp_path}"])
     assert status == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
-        "error: scaling.replicas_per_worker: one GPU worker would hold 0.0 GiB of training "
-        "state (")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: model.preset: one GPU worker would hold 0.0 GiB of "
+                           "training state (")  # one replica per worker: no fewer to host
+    assert last.endswith("more than its GPU's 0.0 GiB; choose a smaller model (model.preset) "
+                         "or GPUs with more memory")
 
 
 def test_a_grid_checks_its_hungriest_gpu_trial(small_dataset, tmp_path):
