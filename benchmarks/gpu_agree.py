@@ -6,8 +6,9 @@
 2. background: a streaming run (outer.fragments=2, outer.delay=1: each fragment's sync runs in
    the background, on a side CUDA stream on a GPU, while training goes on) twice on the device,
    bit for bit, and against the same run on the CPU (float32, autocast off: the difference is
-   the kernels' rounding; a missed stream handoff shows as garbage or a difference far above
-   it).
+   the kernels' rounding, which AdamW's normalised steps amplify for near-zero gradients, so it
+   is measured against how far training moved the parameters; a missed stream handoff, a stale
+   or half-written update, moves them by as much as the update itself).
 3. resume: two rounds straight, and one round then a resume from its checkpoint: the same
    parameters bit for bit on the device.
 
@@ -40,9 +41,11 @@ from isoloco_ray.workers.local import StopAfterRound, local_env
 from isoloco_ray.workers.loop import Trainer
 from isoloco_ray.workers.outer.codec import codec_for
 
-# What the background run may differ from the CPU's by (max |Δθ| after its rounds): float32
-# kernels' rounding over a few AdamW steps of the tiny model stays orders of magnitude below.
-CPU_AGREEMENT = 1e-3
+# How far the background run may end from the CPU's, as a fraction of how far training moved
+# the parameters (‖θ_device − θ_cpu‖ / ‖θ_cpu − θ_0‖): rounding stays far below. Measured on
+# the CPU for scale: an update landing one step late (delay 0 against 1) is 0.19 off, a
+# fragment kept half local (mix 0.5 against 0) 0.08.
+CPU_AGREEMENT = 0.05
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,16 +92,31 @@ def tiny_config(data_dir: Path, device: torch.device, **outer: Any) -> TrainConf
 def train(cfg: TrainConfig, data_dir: Path, device: torch.device, **env: Any
           ) -> dict[str, torch.Tensor]:
     """The global parameters after training `cfg` in this process on `device` (on the CPU)."""
+    return trained(cfg, data_dir, device, **env)[1]
+
+
+def trained(cfg: TrainConfig, data_dir: Path, device: torch.device, **env: Any
+            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The global parameters before and after training `cfg` on `device` (on the CPU)."""
     trainer = Trainer(cfg, data_dir, local_env(device=device, **env))
+    start = {name: tensor.detach().cpu().clone() for name, tensor in
+             trainer.global_params.items()}
     try:
         trainer.run()
     except StopAfterRound:
         pass
-    return {name: tensor.detach().cpu() for name, tensor in trainer.global_params.items()}
+    return start, {name: tensor.detach().cpu() for name, tensor in
+                   trainer.global_params.items()}
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+def norm_of_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """‖a − b‖ over every tensor together (float64)."""
+    return float(sum(float((a[name].double() - b[name].double()).pow(2).sum())
+                     for name in a) ** 0.5)
 
 
 def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -109,14 +127,17 @@ def check_background(data_dir: Path, device: torch.device) -> dict[str, Any]:
     """A streaming run with a background sync: twice on `device`, and once on the CPU."""
     cfg = tiny_config(data_dir, device, fragments=2, delay=1)
     first, second = train(cfg, data_dir, device), train(cfg, data_dir, device)
-    cpu = train(tiny_config(data_dir, torch.device("cpu"), fragments=2, delay=1), data_dir,
-                torch.device("cpu"))
-    repeatable, off_cpu = identical(first, second), max_difference(first, cpu)
+    start, cpu = trained(tiny_config(data_dir, torch.device("cpu"), fragments=2, delay=1),
+                         data_dir, torch.device("cpu"))
+    repeatable = identical(first, second)
+    off_cpu = norm_of_difference(first, cpu) / norm_of_difference(cpu, start)
     finite = all(bool(torch.isfinite(t).all()) for t in first.values())
     return {"ok": repeatable and finite and off_cpu <= CPU_AGREEMENT,
-            "repeatable": repeatable, "max_difference_from_cpu": off_cpu,
-            "line": (f"two runs {'bit-identical' if repeatable else 'DIFFER'}, max |Δθ| "
-                     f"from the CPU's {off_cpu:.2e} (bound {CPU_AGREEMENT:g})")}
+            "repeatable": repeatable, "relative_difference_from_cpu": off_cpu,
+            "max_difference_from_cpu": max_difference(first, cpu),
+            "line": (f"two runs {'bit-identical' if repeatable else 'DIFFER'}; off the CPU's "
+                     f"by {off_cpu:.2e} of how far training moved θ (bound "
+                     f"{CPU_AGREEMENT:g}; max |Δθ| {max_difference(first, cpu):.2e})")}
 
 
 def check_resume(data_dir: Path, device: torch.device, scratch: Path) -> dict[str, Any]:

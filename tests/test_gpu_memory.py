@@ -49,6 +49,8 @@ def held_bytes(trainer: Trainer) -> int:
     ["--scaling.replicas=1", "--scaling.replicas_per_worker=1"],  # the replica in the model
     ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--outer.comm_dtype=int8",
      "--outer.error_feedback=true", "--outer.strategy=tsv"],
+    ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--outer.fragments=2",
+     "--outer.mix=0.5", "--outer.strategy=ties"],  # streaming: replicas keep their own θ_r
 ])
 def test_the_state_is_counted_exactly(small_dataset, flags):
     cfg = load_config(TINY + flags)
