@@ -110,11 +110,9 @@ def estimate(cfg: TrainConfig, shapes: Mapping[str, Sequence[int]], vocab_size: 
     }
     sync: dict[str, int] = {}
     if spec.has_outer_step:
-        outer_ranks = workers // scaling.workers_per_replica
-        owned = (params if outer.placement != "sharded"
-                 else max(math.ceil(params / outer_ranks), largest))
-        state["outer momentum"] = FLOAT32 * owned if outer.momentum else 0
         merge = OuterMerge.of(outer)
+        owned = _most_owned(cfg, merge, shapes, workers // scaling.workers_per_replica)
+        state["outer momentum"] = FLOAT32 * owned if outer.momentum else 0
         if merge.of_mean:
             sync["summed pseudo-gradients"] = 2 * FLOAT32 * owned
         else:
@@ -124,6 +122,31 @@ def estimate(cfg: TrainConfig, shapes: Mapping[str, Sequence[int]], vocab_size: 
         if outer.delay or outer.mix:  # Δ_r taken beside θ_r, not over it
             sync["pseudo-gradients in flight"] = model * hosted // outer.fragments
     return GpuMemory(state, _step_bytes(cfg, vocab_size), sync, hosted)
+
+
+def _most_owned(cfg: TrainConfig, merge: OuterMerge, shapes: Mapping[str, Sequence[int]],
+                outer_ranks: int) -> int:
+    """Entries of the tensors whose outer step (and momentum) the busiest worker of an outer
+    group of `outer_ranks` holds: every tensor when every worker merges (Route), else its share
+    under the owners' plan the workers build (OuterSync.plan), fragment by fragment."""
+    import torch
+
+    from isoloco_ray.workers.fragments import split_fragments
+    from isoloco_ray.workers.outer.plan import OuterPlan
+    from isoloco_ray.workers.outer.route import Route
+
+    sizes = {name: math.prod(shape) for name, shape in shapes.items()}
+    if Route.choose(cfg.outer, merge).everyone_merges:
+        return sum(sizes.values())
+    torch_shapes = {name: torch.Size(shape) for name, shape in shapes.items()}
+    held = [0] * outer_ranks
+    for names in split_fragments(torch_shapes, cfg.outer.fragments):
+        plan = OuterPlan.build({name: torch_shapes[name] for name in names}, merge.merge,
+                               cfg.scaling.replicas, outer_ranks, cfg.outer.placement,
+                               merge.orthogonalize_update)
+        for rank, owned in enumerate(plan.owned):
+            held[rank] += sum(sizes[name] for name in owned)
+    return max(held)
 
 
 def _step_bytes(cfg: TrainConfig, vocab_size: int) -> dict[str, int]:
