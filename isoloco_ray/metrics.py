@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, TypedDict, TypeVar
+from typing import Any, TypeVar
 
 _Record = TypeVar("_Record", bound="_JsonRecord")
 
@@ -49,17 +49,6 @@ class _JsonRecord:
         """The fields marked `flag` in their metadata, in declaration order."""
         return tuple(f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
                      if f.metadata.get(flag))
-
-
-class QuorumFigures(TypedDict, total=False):
-    """RoundMetrics' quorum fields, as a worker with a quorum seat reports them
-    (workers/diloco_rounds.py); empty without one."""
-
-    quorum: list[int]
-    contributors: list[int]
-    missing_workers: list[int]
-    sync_attempts: int
-    quorum_wait_seconds: float
 
 
 @dataclass

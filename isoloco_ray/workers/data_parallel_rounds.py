@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from isoloco_ray.data.format import DataError
-from isoloco_ray.metrics import QuorumFigures
 from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.agreement import stop_if_any_rank_failed
 from isoloco_ray.workers.collectives import TrafficCounter, all_reduce_sum
@@ -112,7 +111,7 @@ class DataParallelRounds:
         return (loss_sum.item() / cfg.inner.steps / cfg.scaling.workers_per_replica,
                 inner_seconds, stats)
 
-    def quorum_metrics(self) -> QuorumFigures:
+    def quorum_metrics(self) -> dict[str, Any]:
         """Nothing: it never runs over a quorum (refused at start)."""
         return {}
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from isoloco_ray.data.format import DataError
-from isoloco_ray.metrics import QuorumFigures
 from isoloco_ray.workers.agreement import stop_if_any_rank_failed
 from isoloco_ray.workers.fragments import round_events
 from isoloco_ray.workers.outer.step import OuterStepStats
@@ -183,11 +182,12 @@ class DiLoCoRounds:
                 pending.exception()
         self.in_flight.clear()
 
-    def quorum_metrics(self) -> QuorumFigures:
+    def quorum_metrics(self) -> dict[str, Any]:
         """With a quorum seat, who took part in the round's sync: the workers in its quorum,
         those that brought a Δ, those that did not (`missing_workers`: lost, or just
         healed; at the join before round 1, those not in it), the quorums it took (1 when
-        nobody failed) and the seconds this worker waited for them."""
+        nobody failed) and the seconds this worker waited for them: RoundMetrics' quorum
+        fields (a name that is not one is refused when the record is built)."""
         if self.committed is None:
             return {}
         contributors = self.committed.contributors
