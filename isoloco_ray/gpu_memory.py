@@ -111,7 +111,8 @@ def estimate(cfg: TrainConfig, shapes: Mapping[str, Sequence[int]], vocab_size: 
     sync: dict[str, int] = {}
     if spec.has_outer_step:
         merge = OuterMerge.of(outer)
-        owned = _most_owned(cfg, merge, shapes, workers // scaling.workers_per_replica)
+        owned = _most_owned(cfg, merge, shapes, workers // scaling.workers_per_replica,
+                            scaling.workers_per_replica)
         state["outer momentum"] = FLOAT32 * owned if outer.momentum else 0
         if merge.of_mean:
             sync["summed pseudo-gradients"] = 2 * FLOAT32 * owned
@@ -125,28 +126,33 @@ def estimate(cfg: TrainConfig, shapes: Mapping[str, Sequence[int]], vocab_size: 
 
 
 def _most_owned(cfg: TrainConfig, merge: OuterMerge, shapes: Mapping[str, Sequence[int]],
-                outer_ranks: int) -> int:
-    """Entries of the tensors whose outer step (and momentum) the busiest worker of an outer
-    group of `outer_ranks` holds: every tensor when every worker merges (Route), else its share
-    under the owners' plan the workers build (OuterSync.plan), fragment by fragment."""
+                outer_ranks: int, positions: int) -> int:
+    """Entries of the tensors whose outer step (and momentum) the busiest worker holds, in G =
+    `positions` outer groups of `outer_ranks`: its position's share (plan.position_shares),
+    all of it when every worker merges (Route), else its owner's part under the plan the
+    workers build (OuterSync.plan), fragment by fragment."""
     import torch
 
     from isoloco_ray.workers.fragments import split_fragments
-    from isoloco_ray.workers.outer.plan import OuterPlan
+    from isoloco_ray.workers.outer.plan import OuterPlan, position_shares
     from isoloco_ray.workers.outer.route import Route
 
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}
-    if Route.choose(cfg.outer, merge).everyone_merges:
-        return sum(sizes.values())
     torch_shapes = {name: torch.Size(shape) for name, shape in shapes.items()}
-    held = [0] * outer_ranks
+    everyone = Route.choose(cfg.outer, merge).everyone_merges
+    held = [[0] * outer_ranks for _ in range(positions)]
     for names in split_fragments(torch_shapes, cfg.outer.fragments):
-        plan = OuterPlan.build({name: torch_shapes[name] for name in names}, merge.merge,
-                               cfg.scaling.replicas, outer_ranks, cfg.outer.placement,
-                               merge.orthogonalize_update)
-        for rank, owned in enumerate(plan.owned):
-            held[rank] += sum(sizes[name] for name in owned)
-    return max(held)
+        shares = position_shares({name: torch_shapes[name] for name in names}, merge.merge,
+                                 cfg.scaling.replicas, positions, merge.orthogonalize_update)
+        for position, share in enumerate(shares):
+            plan = OuterPlan.build({name: torch_shapes[name] for name in share}, merge.merge,
+                                   cfg.scaling.replicas, outer_ranks,
+                                   "replicated" if everyone else cfg.outer.placement,
+                                   merge.orthogonalize_update)
+            for rank, owned in enumerate(plan.owned):
+                # Replicated: rank 0 "owns" all (it saves them); every rank holds them.
+                held[position][rank] += sum(sizes[name] for name in owned)
+    return max(max(row) for row in held)
 
 
 def _step_bytes(cfg: TrainConfig, vocab_size: int) -> dict[str, int]:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
 from helpers import TINY_RUN
 from isoloco_ray import gpu_memory, train
-from isoloco_ray.config import ConfigError, load_config
+from isoloco_ray.config import ConfigError, TrainConfig, load_config
 from isoloco_ray.data.format import Dataset
-from isoloco_ray.workers.local import local_env
+from isoloco_ray.workers.local import in_gloo_group, local_env
 from isoloco_ray.workers.loop import Trainer
 from isoloco_ray.workers.model import parameter_shapes, parameters_of
 
@@ -60,6 +63,31 @@ def test_the_state_is_counted_exactly(small_dataset, flags):
     memory = gpu_memory.estimate(cfg, parameter_shapes(cfg.model, vocab), vocab)
     assert memory.state_bytes == held_bytes(trainer)
     assert memory.state["parameters"] == 4 * parameters_of(cfg.model, vocab)
+
+
+def held_by_rank(rank: int, world: int, config: dict[str, Any], data: str) -> int:
+    trainer = Trainer(TrainConfig.model_validate(config), Path(data), local_env(rank, world))
+    trainer.run()
+    return held_bytes(trainer)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--outer.strategy=diloco"],  # each position's outer group: every rank merges its share
+    ["--outer.strategy=isoloco", "--outer.placement=sharded"],  # owners within each share
+    ["--outer.strategy=diloco", "--outer.comm_dtype=int8", "--outer.error_feedback=true"],
+])
+def test_the_state_of_a_replica_spread_over_two_workers_is_counted_exactly(small_dataset,
+                                                                          flags):
+    """R = 2 replicas × G = 2 workers: the busiest worker's state, with the outer momentum of
+    its position's share only."""
+    cfg = load_config(TINY + ["--scaling.replicas=2", "--scaling.replicas_per_worker=1",
+                              "--scaling.workers_per_replica=2", "--data.micro_batch_size=1",
+                              *flags])
+    held = in_gloo_group(held_by_rank, 4, cfg.model_dump(mode="json"), str(small_dataset))
+    vocab = Dataset.open(small_dataset).meta.vocab_size
+    memory = gpu_memory.estimate(cfg, parameter_shapes(cfg.model, vocab), vocab)
+    assert memory.state_bytes == max(held)
+    assert 0 < memory.state["outer momentum"] < memory.state["parameters"]  # a share only
 
 
 def test_more_replicas_per_worker_than_fit_are_refused_with_the_fix():

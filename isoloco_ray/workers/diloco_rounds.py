@@ -14,7 +14,7 @@ import torch
 from isoloco_ray.data.format import DataError
 from isoloco_ray.workers.agreement import stop_if_any_rank_failed
 from isoloco_ray.workers.fragments import round_events
-from isoloco_ray.workers.outer.step import OuterStepStats
+from isoloco_ray.workers.outer.step import OuterStepStats, stopwatch
 from isoloco_ray.workers.overlap import Background
 from isoloco_ray.workers.quorum import CommittedSync
 
@@ -166,6 +166,22 @@ class DiLoCoRounds:
             stats.wait_seconds = time.perf_counter() - waiting
         else:
             stats = pending
+        shard = trainer.layout.shard
+        if shard is not None and not stats.skipped:
+            # Each position stepped its share of the fragment's tensors (outer/step.py): here,
+            # in the training thread like the gradient all-reduce, the replica's workers share
+            # them, and what error feedback kept of each.
+            names = trainer.fragments[fragment]
+            shares = trainer.outer.shares({name: trainer.global_params[name].shape
+                                           for name in names})
+            before = stats.comm_seconds
+            with stopwatch(stats, "comm_seconds", trainer.env.device):
+                shard.share(shares, trainer.global_params, trainer.global_params)
+                if trainer.cfg.outer.error_feedback:
+                    for replica in trainer.replicas:
+                        if replica.index not in stats.dropped:
+                            shard.share(shares, replica.feedback, trainer.global_params)
+            stats.wait_seconds += stats.comm_seconds - before  # training waits for it
         for replica in trainer.replicas:
             if replica.index in stats.dropped:
                 replica.reset(trainer.global_params)

@@ -5,12 +5,14 @@ With V replicas per worker, worker w hosts replicas w·V … w·V+V-1 one after 
 replica spread over G workers (`scaling.workers_per_replica`), ranks g·G … g·G+G-1 hold
 replica g together, each taking 1/G of every batch and averaging gradients every inner step
 (data parallel, in the replica group); the outer sync runs among the workers at the same
-position of every replica (the outer group), so the G outer groups each do the whole outer
-step and reach the same parameters. Groups are built once, at start.
+position of every replica (the outer group). The G outer groups each step 1/G of the tensors
+(outer/plan.position_shares), then every replica's workers share their new values
+(`ReplicaShard.share`). Groups are built once, at start.
 """
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,10 @@ from isoloco_ray.workers.collectives import (
     TrafficCounter,
     all_reduce_scalars,
     all_reduce_sum,
+    broadcast_flat,
+    buckets,
+    flatten,
+    unflatten,
 )
 
 
@@ -46,6 +52,34 @@ class ReplicaShard:
         all_reduce_sum(grads, TrafficCounter(), self.group)
         for grad in grads:
             grad /= self.workers
+
+    @torch.no_grad()
+    def share(self, shares: Sequence[Sequence[str]], tensors: MutableMapping[str, torch.Tensor],
+              like: MutableMapping[str, torch.Tensor]) -> int:
+        """Give every worker of the replica the values of `tensors` its worker at position p
+        holds for the names shares[p], for every p (each stepped its share of the outer step;
+        float32, so nothing is rounded). A name `tensors` lacks on a worker that receives it
+        is added, shaped as in `like`. Returns the bytes this worker received."""
+        traffic = TrafficCounter()
+        for position, names in enumerate(shares):
+            sizes = [like[name].numel() * 4 for name in names]
+            for index in buckets(sizes):
+                chunk = [names[i] for i in index]
+                device = like[chunk[0]].device
+                if position == self.position:
+                    flat = flatten([tensors[name] for name in chunk], torch.float32, device)
+                else:
+                    flat = torch.empty(sum(sizes[i] for i in index) // 4, dtype=torch.float32,
+                                       device=device)
+                broadcast_flat(flat, position, traffic, self.group)
+                if position == self.position:
+                    continue
+                for name, value in zip(chunk, unflatten(flat, [like[n].shape for n in chunk])):
+                    if name in tensors:
+                        tensors[name].copy_(value)
+                    else:
+                        tensors[name] = value.clone()
+        return traffic.take()
 
     def mean(self, value: float, device: torch.device) -> float:
         """The mean of a per-worker scalar over the replica's workers."""

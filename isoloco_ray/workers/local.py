@@ -201,11 +201,13 @@ def in_gloo_group(fn: Callable[..., Any], world: int, *args: Any, threads: int =
 
 
 def _train_rank(rank: int, world: int, config: dict[str, Any], data_dir: str,
-                restore_from: str | None) -> tuple[Metrics, dict[str, torch.Tensor]] | None:
+                restore_from: str | None, checkpoints: str | None
+                ) -> tuple[Metrics, dict[str, torch.Tensor]] | None:
     """One gloo rank of `run_local`: rank 0's summary and final global parameters."""
     cfg = TrainConfig.model_validate(config)
     trainer = Trainer(cfg, Path(data_dir), local_env(
-        rank, world, restore_from=None if restore_from is None else Path(restore_from)))
+        rank, world, restore_from=None if restore_from is None else Path(restore_from),
+        checkpoints=None if checkpoints is None else Path(checkpoints)))
     summary = trainer.run()
     return (summary, trainer.global_params) if rank == 0 else None
 
@@ -216,8 +218,8 @@ def run_local(cfg: TrainConfig, data_dir: Path, threads_per_worker: int = 1,
     """Train `cfg` on `workers` (default cfg.scaling.num_workers) local processes (gloo); rank
     0's summary and final global parameters. With one worker everything runs in this process
     and `env_options` go to `local_env` (checkpoints, restore_from, stop_after, reports); with
-    several, only restore_from. Each worker uses `threads_per_worker` intra-op threads (float
-    sums depend on the thread count)."""
+    several, only checkpoints and restore_from. Each worker uses `threads_per_worker` intra-op
+    threads (float sums depend on the thread count)."""
     world = workers or cfg.scaling.num_workers
     if world == 1:
         threads = torch.get_num_threads()
@@ -227,10 +229,12 @@ def run_local(cfg: TrainConfig, data_dir: Path, threads_per_worker: int = 1,
             return trainer.run(), trainer.global_params
         finally:
             torch.set_num_threads(threads)
-    restore_from = env_options.pop("restore_from", None)
-    if env_options:
-        raise ValueError(f"{sorted(env_options)} are supported with one worker only")
+    paths = {key: None if env_options.get(key) is None else str(env_options[key])
+             for key in ("restore_from", "checkpoints")}
+    others = sorted(set(env_options) - set(paths))
+    if others:
+        raise ValueError(f"{others} are supported with one worker only")
     results = in_gloo_group(_train_rank, world, cfg.model_dump(mode="json"), str(data_dir),
-                            None if restore_from is None else str(restore_from),
+                            paths["restore_from"], paths["checkpoints"],
                             threads=threads_per_worker)
     return results[0]

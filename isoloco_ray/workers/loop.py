@@ -123,7 +123,8 @@ class Trainer:
             for r in self.layout.hosted
         ]
         self.outer = OuterSync(cfg.outer if env.seat is None else cfg.outer.quorum_outer(),
-                               cfg.scaling.replicas, cfg.run.seed, self.layout.sync_group)
+                               cfg.scaling.replicas, cfg.run.seed, self.layout.sync_group,
+                               self.layout.workers_per_replica, self.layout.position)
         self.fragments = split_fragments({n: p.shape for n, p in self.global_params.items()},
                                          cfg.outer.fragments)
         self.runner = (DataParallelRounds(self) if cfg.outer.strategy == "adamw_ddp"
@@ -175,15 +176,15 @@ class Trainer:
             checkpoint.save_shared(directory, self.global_params, self.outer.state_dict(),
                                    {**self.counters(), "config": self.cfg.model_dump(mode="json")})
             self.runner.save(directory)
-        if not self.layout.saves_replicas:
-            return  # the replica's first worker saves what all its workers hold alike
         # A seated worker's outer group is itself alone: the writer saves the momentum (every
-        # worker holds all of it); otherwise rank 0 when every rank holds it all, else each
-        # owner its share.
+        # worker holds all of it); otherwise, in each of the G outer groups, rank 0 when every
+        # rank holds its position's, else each owner its share.
         if (writer if self.env.seat is not None
                 else self.outer.rank == 0 or not self.outer.route.everyone_merges):
-            checkpoint.save_outer_momentum(directory, self.outer.rank,
+            checkpoint.save_outer_momentum(directory, self.outer.momentum_file,
                                            self.outer.state_dict()["buffers"])
+        if not self.layout.saves_replicas:
+            return  # the replica's first worker saves what all its workers hold alike
         for replica in self.replicas:
             checkpoint.save_replica(directory, replica.index, replica.state_dict())
 

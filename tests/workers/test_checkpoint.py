@@ -54,6 +54,39 @@ def test_interrupted_and_resumed_run_is_bit_identical(small_dataset, tmp_path, f
     assert resumed["final_eval_loss"] == whole["final_eval_loss"]
 
 
+# Each replica on G = 2 workers (4 gloo ranks): two outer groups, each stepping half the tensors.
+SPREAD = ["--scaling.replicas_per_worker=1", "--scaling.workers_per_replica=2",
+          "--data.micro_batch_size=2"]
+
+
+@pytest.mark.parametrize("flags, outer_files", [
+    # Every rank of an outer group merges: its rank 0 saves, one file per position.
+    (["--outer.strategy=diloco"], [0, 1]),
+    # Owners merge (int8 payloads): every rank saves its own, in a file of its own.
+    (["--outer.strategy=tsv", "--outer.placement=sharded", *COMPRESSED], [0, 1, 2, 3]),
+], ids=["diloco", "tsv-int8-feedback"])
+def test_a_run_with_replicas_spread_over_two_workers_resumes_bit_identical(
+        small_dataset, tmp_path, flags, outer_files):
+    """Each position's outer group saves the momentum of its share of the tensors, and the
+    replica's first worker its residuals, shared by the others: the resumed run is the run
+    that never stopped, bit for bit."""
+    cfg = load_config(RUN + SPREAD + flags)
+    whole, whole_params = run_local(cfg, small_dataset, checkpoints=tmp_path)
+    directory = tmp_path / "round_000002"
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "global.safetensors", *(checkpoint.outer_file(k) for k in outer_files),
+        "replica_0000.pt", "replica_0001.pt", "state.json"]
+    params, outer_state, _ = checkpoint.load_shared(directory)
+    if cfg.outer.momentum:
+        assert set(outer_state["buffers"]) == set(params)
+    if cfg.outer.error_feedback:
+        assert set(checkpoint.load_replica(directory, 1)["feedback"]) == set(params)
+    resumed, resumed_params = run_local(cfg, small_dataset, restore_from=directory)
+    for name in whole_params:
+        assert torch.equal(resumed_params[name], whole_params[name]), name
+    assert resumed["final_eval_loss"] == whole["final_eval_loss"]
+
+
 def test_checkpoint_holds_every_replica_and_loads_without_pickle(small_dataset, tmp_path):
     cfg = load_config(RUN + ["--run.rounds=2"])
     run_local(cfg, small_dataset, checkpoints=tmp_path)

@@ -1,5 +1,6 @@
-"""Which rank of the outer group merges which tensor (`outer.placement`), and the buckets the
-tensors travel in.
+"""Which rank of the outer group merges which tensor (`outer.placement`), the buckets the
+tensors travel in, and, for a replica spread over G workers, which of its workers takes part in
+each tensor's outer step (`position_shares`).
 
 Built once per run from the parameter shapes, identically on every rank (no communication):
 the same names, shapes and settings give the same plan.
@@ -92,3 +93,17 @@ class OuterPlan:
         """Total cost per rank."""
         return [sum(costs[n] for n in names) for names in self.owned]
 
+
+
+def position_shares(shapes: Mapping[str, torch.Size], merge: str, replicas: int, positions: int,
+                    orthogonalize_update: bool = False) -> tuple[tuple[str, ...], ...]:
+    """shares[p]: the tensors of `shapes` (model order) whose outer step the workers at
+    position p of every replica take, when a replica is spread over `positions` workers.
+
+    The G workers of a replica hold the same Δ_r (they are data parallel), so each tensor
+    needs its outer step in one outer group only: split by estimated cost as owners are
+    (`assign_owners`, sharded), each group steps 1/G of the work and bytes, and a broadcast
+    within each replica gives every worker the rest (layout.ReplicaShard.share).
+    """
+    return OuterPlan.build(shapes, merge, replicas, positions, "sharded",
+                           orthogonalize_update).owned

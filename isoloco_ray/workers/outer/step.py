@@ -9,6 +9,10 @@ Each rank of the outer group hosts L = R / ranks replicas. One step, on every ra
    owners, who send the updates back (transport.py); outer momentum lives where the merge
    runs: with every rank, or only with the tensor's owner (as ZeRO-1 shards optimizer state);
 4. θ ← θ − lr·u for every tensor, so all ranks end bit-identical.
+
+With a replica spread over G workers there are G outer groups, one per position within the
+replicas, and each steps only its share of the tensors (plan.position_shares): the caller
+then shares the new values within each replica (layout.ReplicaShard.share).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from isoloco_ray.config import OuterConfig, settled
 from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
 from isoloco_ray.workers.outer.payload import Payloads
-from isoloco_ray.workers.outer.plan import OuterPlan
+from isoloco_ray.workers.outer.plan import OuterPlan, position_shares
 from isoloco_ray.workers.outer.route import Route
 from isoloco_ray.workers.outer.transport import Contributions, Transport
 from isoloco_ray.workers.quorum import CommittedSync, Contribution, QuorumSeat
@@ -82,16 +86,20 @@ def outer_optimizer(outer: OuterConfig, orthogonalize_update: bool = False
 
 class OuterSync:
     """Turns the hosted replicas' Δ_r into the global update; holds this rank's share of the
-    outer optimizer state (momentum of the tensors it owns; all of them when replicated)."""
+    outer optimizer state (momentum of the tensors it owns; all of them when replicated; with
+    G positions, of its position's share only)."""
 
     optimizer: aggregators.OuterOptimizer
 
-    def __init__(self, outer: OuterConfig, replicas: int, seed: int, group: Group = None
-                 ) -> None:
+    def __init__(self, outer: OuterConfig, replicas: int, seed: int, group: Group = None,
+                 positions: int = 1, position: int = 0) -> None:
+        """`group`: the outer group (None: the default group); `positions`: G, the workers a
+        replica is spread over, and `position` this worker's place among them."""
         self.outer = outer
         self.replicas = replicas
         self.group = group
         self.ranks, self.rank = group_size(group), group_rank(group)
+        self.positions, self.position = positions, position
         if replicas % self.ranks:
             raise ValueError(f"{replicas} replicas cannot be spread evenly over an outer group "
                              f"of {self.ranks} ranks")
@@ -104,21 +112,39 @@ class OuterSync:
         self.payloads = Payloads(outer, self.resolved, self.route, self.transport.codec, seed)
         self.optimizer = outer_optimizer(outer, self.resolved.orthogonalize_update)
         self._plans: dict[tuple[str, ...], OuterPlan] = {}
+        self._shares: dict[tuple[str, ...], tuple[tuple[str, ...], ...]] = {}
+
+    @property
+    def momentum_file(self) -> int:
+        """The number of the checkpoint file this rank saves its outer momentum in (unique
+        among the G outer groups' ranks)."""
+        return self.rank * self.positions + self.position
+
+    def shares(self, shapes: Mapping[str, torch.Size]) -> tuple[tuple[str, ...], ...]:
+        """The tensors of `shapes` each position steps (plan.position_shares; all of them at
+        position 0 when G = 1); built on first use, the same every round."""
+        key = tuple(shapes)
+        if key not in self._shares:
+            self._shares[key] = position_shares(shapes, self.merge, self.replicas,
+                                                self.positions,
+                                                self.optimizer.orthogonalize_update)
+        return self._shares[key]
 
     def plan(self, shapes: Mapping[str, torch.Size]) -> OuterPlan:
-        """Owners of the tensors of `shapes`, the whole model or one fragment of it (built on
-        first use; the same every round)."""
-        key = tuple(shapes)
-        if key not in self._plans:
-            self._plans[key] = OuterPlan.build(shapes, self.merge, self.replicas, self.ranks,
-                                               self.outer.placement,
-                                               self.optimizer.orthogonalize_update)
-        return self._plans[key]
+        """Owners of the tensors of `shapes` this position steps, of the whole model or one
+        fragment of it (built on first use; the same every round)."""
+        mine = self.shares(shapes)[self.position]
+        if mine not in self._plans:
+            self._plans[mine] = OuterPlan.build({name: shapes[name] for name in mine},
+                                                self.merge, self.replicas, self.ranks,
+                                                self.outer.placement,
+                                                self.optimizer.orthogonalize_update)
+        return self._plans[mine]
 
     def holds_momentum(self, name: str) -> bool:
         """Whether this rank keeps the momentum of tensor `name`."""
         if self.route.everyone_merges:
-            return True
+            return any(name in plan.owners for plan in self._plans.values())
         return any(plan.owners.get(name) == self.rank for plan in self._plans.values())
 
     def state_dict(self) -> dict[str, Any]:
@@ -156,12 +182,21 @@ class OuterSync:
         a dropped replica's is kept as it was.
         """
         stats = OuterStepStats()
+        # Over every tensor of `hosted`, also those another position steps: the G outer
+        # groups leave out the same replicas.
         good = self._good_replicas(hosted, diverged)
         stats.dropped = [r for r in range(self.replicas) if r not in good]
         if not good:
             stats.skipped = True
             return stats
         plan = self.plan({name: t.shape for name, t in global_params.items()})
+        if self.positions > 1:
+            mine = plan.owners  # this position's tensors
+            global_params = {name: global_params[name] for name in mine}
+            hosted = {r: {name: delta[name] for name in mine} for r, delta in hosted.items()}
+            if not mine:  # another position steps every tensor of this fragment
+                self.optimizer.apply(global_params, {})  # counts the step, as they do
+                return stats
         device = next(iter(global_params.values())).device
         with stopwatch(stats, "merge_seconds", device):
             payload = self.payloads.make(hosted, good, round_index, feedback)

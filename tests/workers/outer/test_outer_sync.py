@@ -448,3 +448,115 @@ def test_topk_sends_each_rows_largest_entries_and_their_indices(quantized_four_r
         for result in quantized_four_ranks:
             replicated = result["tsv", "replicated", comm_dtype, TOPK]["history"][0]["bytes"]
             assert replicated == (RANKS - 1) * (REPLICAS // RANKS) * sum(sparse.values())
+
+
+# -- a replica spread over G workers: each outer group steps 1/G of the tensors ----------------
+
+SPREAD_RUNS = (("diloco", "replicated"), ("tsv", "replicated"), ("isoloco", "sharded"),
+               ("ties_random_rows", "replicated"))
+SPREAD_NAN = (1, 1)  # (round, replica): a NaN in a tensor that only position 1 steps
+
+
+def spread_config(variant: str, placement: str, workers_per_replica: int):
+    flags = VARIANTS[variant] or [f"--outer.strategy={variant}"]
+    return load_config(flags + ["--scaling.replicas=2", "--scaling.replicas_per_worker=1",
+                                f"--scaling.workers_per_replica={workers_per_replica}",
+                                f"--outer.placement={placement}"])
+
+
+def spread_delta(replica: int, round_index: int, nan_in: str) -> dict[str, torch.Tensor]:
+    delta = pseudo_gradient(replica, round_index)
+    if (round_index, replica) == SPREAD_NAN:
+        delta[nan_in].view(-1)[0] = float("nan")
+    return delta
+
+
+def run_spread_steps(rank: int, world: int, positions: int) -> dict:
+    """R = 2 replicas, each on `positions` workers (ranks g·G … g·G+G−1): the outer step of
+    every SPREAD_RUNS variant for ROUNDS rounds, then the share within the replica."""
+    import torch.distributed as dist
+
+    from isoloco_ray.workers.layout import ReplicaShard
+
+    same_position = [list(range(p, world, positions)) for p in range(positions)]
+    outer_group, _ = dist.new_subgroups_by_enumeration(same_position)
+    replica_group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(s * positions, (s + 1) * positions)) for s in range(world // positions)])
+    shard = ReplicaShard(rank % positions, positions, replica_group)
+    replica, shapes = rank // positions, {n: torch.Size(s) for n, s in SHAPES.items()}
+    results = {}
+    for variant, placement in SPREAD_RUNS:
+        cfg = spread_config(variant, placement, positions)
+        sync = OuterSync(cfg.outer, 2, seed=0, group=outer_group, positions=positions,
+                         position=rank % positions)
+        params, history = initial_params(), []
+        nan_in = sync.shares(shapes)[-1][0]
+        for round_index in range(ROUNDS):
+            stats = sync.step(params, {replica: spread_delta(replica, round_index, nan_in)},
+                              round_index)
+            shared = shard.share(sync.shares(shapes), params, params)
+            history.append({"params": {n: p.clone() for n, p in params.items()},
+                            "bytes": stats.bytes_received, "shared": shared,
+                            "dropped": stats.dropped})
+        results[variant, placement] = {"history": history, "shares": sync.shares(shapes),
+                                       "momentum": sorted(sync.state_dict()["buffers"])}
+    return results
+
+
+@pytest.fixture(scope="module")
+def spread_ranks():
+    """Rank-ordered results of R = 2 replicas × G = 2 workers on 4 gloo ranks, and of R = 2
+    replicas × G = 1 (whole outer steps) on 2."""
+    return in_gloo_group(run_spread_steps, 4, 2), in_gloo_group(run_spread_steps, 2, 1)
+
+
+@pytest.mark.parametrize("variant, placement", SPREAD_RUNS)
+def test_each_position_steps_its_share_and_the_replica_ends_bit_identical(
+        spread_ranks, variant, placement):
+    """The G outer groups each step 1/G of the tensors, yet every worker ends with the step
+    G = 1 takes, bit for bit (each tensor's outer step is the same computation, at one
+    position), and leaves out the same replicas (a NaN in a tensor only position 1 steps)."""
+    spread, whole = spread_ranks
+    reference = whole[0][variant, placement]
+    shares = spread[0][variant, placement]["shares"]
+    assert len(shares) == 2 and all(shares) and set(shares[0]).isdisjoint(shares[1])
+    assert set(shares[0]) | set(shares[1]) == set(SHAPES)
+    for rank, result in enumerate(spread):
+        run = result[variant, placement]
+        for round_index, step in enumerate(run["history"]):
+            want = reference["history"][round_index]
+            assert step["dropped"] == want["dropped"] == ([1] if round_index == 1 else [])
+            for name in SHAPES:
+                assert torch.equal(step["params"][name], want["params"][name]), \
+                    (rank, round_index, name)
+
+
+@pytest.mark.parametrize("variant, placement", SPREAD_RUNS)
+def test_each_outer_group_moves_its_share_of_the_bytes(spread_ranks, variant, placement):
+    """Across replicas each position's outer group moves only its share's bytes (together
+    what G = 1 moves); within a replica, each worker receives the others' share of θ."""
+    spread, whole = spread_ranks
+    shares = spread[0][variant, placement]["shares"]
+    for rank, result in enumerate(spread):
+        run = result[variant, placement]
+        whole_bytes = whole[0][variant, placement]["history"][0]["bytes"]
+        assert 0 < run["history"][0]["bytes"] < whole_bytes
+        others = [n for n in SHAPES if n not in shares[rank % 2]]
+        assert run["history"][0]["shared"] == 4 * sum(math.prod(SHAPES[n]) for n in others)
+    # The two positions' outer bytes add up to G = 1's (a round without a dropped replica).
+    assert (spread[0][variant, placement]["history"][0]["bytes"]
+            + spread[1][variant, placement]["history"][0]["bytes"]
+            == whole[0][variant, placement]["history"][0]["bytes"])
+
+
+def test_each_position_holds_the_momentum_of_its_share(spread_ranks):
+    spread, _ = spread_ranks
+    for variant, placement in (("diloco", "replicated"), ("isoloco", "sharded")):  # momentum
+        held = [set(r[variant, placement]["momentum"]) for r in spread]
+        shares = spread[0][variant, placement]["shares"]
+        for rank in (0, 1, 2, 3):
+            if placement == "replicated":
+                assert held[rank] == set(shares[rank % 2]), (variant, rank)
+        # Ranks 0 and 2 (position 0, replicas 0 and 1) hold position 0's share between them.
+        assert held[0] | held[2] == set(shares[0])
+        assert held[1] | held[3] == set(shares[1])
