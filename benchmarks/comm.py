@@ -1,5 +1,6 @@
 """Outer-sync cost by placement at R = 8 replicas: the bytes each rank receives per
-outer round (part 1) and the seconds each rank spends merging (part 2).
+outer round (part 1) and the seconds each rank spends merging (part 2); and with each replica
+spread over G workers (part 3).
 
 Part 1 runs one real outer step of `OuterSync` per strategy, placement and comm_dtype on
 W spawned gloo ranks (W = 2, 4, 8; each hosts L = R/W replicas), on the 178M model's
@@ -31,9 +32,20 @@ are the same on every rank under every placement: they are shown apart. The Δ_r
 synthetic and seeded (benchmarks/merge.py's `make_deltas`), made one shape group at a
 time and shared by the placements.
 
+Part 3 spreads each of R = 4 replicas over G = 1 or 2 workers (R·G gloo ranks; G > 1
+needs V = 1) and runs one outer step per strategy (default placement, float32) on the
+workers' real layout: the G outer groups each step their share of the tensors
+(plan.position_shares, split by merge cost), then each replica's workers share the new θ.
+Busiest rank: the bytes received from other replicas (between nodes, when a replica's
+workers share a node) and within the replica. The merge seconds are those of the busiest
+position's share, timed in this process with every replica's Δ_r at hand (8 ranks on 2
+cores would time the contention). With G = 2, bytes and merge seconds should drop by
+about 2 (less where the cost split leaves the bytes uneven).
+
     python benchmarks/comm.py          # W = 2, 4, 8; all 9 blocks (~20 min, 2 cores)
     python benchmarks/comm.py --quick  # part 1 at W = 4; part 2 on 1 block (~7 min)
     python benchmarks/comm.py --part 1 --strategies diloco tsv
+    python benchmarks/comm.py --part 3 --strategies diloco isoloco tsv   # (~1 min)
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ from isoloco_ray.config import OuterConfig, load_config
 from isoloco_ray.strategies import STRATEGIES as STRATEGY_SPECS
 from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.testing import exit_after
+from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.local import in_gloo_group
 from isoloco_ray.workers.outer.plan import OuterPlan
 from isoloco_ray.workers.outer.step import OuterSync
@@ -255,9 +268,88 @@ def part2(strategies: list[str], blocks: int, seed: int) -> None:
           flush=True)
 
 
+# -- part 3: a replica spread over G workers ---------------------------------------------
+
+SPREAD_REPLICAS = 4
+SPREAD_POSITIONS = (1, 2)
+
+
+def spread_deltas(replica: int, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(replica)
+    return {name: 1e-3 * torch.randn(shape, generator=generator)
+            for name, shape in shapes.items()}
+
+
+def spread_outer(strategy: str) -> OuterConfig:
+    return load_config([f"--outer.strategy={strategy}",
+                        f"--scaling.replicas={SPREAD_REPLICAS}"]).outer
+
+
+def spread_step(rank: int, world: int, positions: int, strategies: list[str],
+                shapes: dict[str, torch.Size]) -> dict[str, tuple[int, int]]:
+    """On each gloo rank of R = 4 replicas × G = `positions` workers: one outer step per
+    strategy and the share within the replica; (bytes from other replicas, bytes within
+    the replica) by strategy."""
+    scaling = load_config([f"--scaling.replicas={SPREAD_REPLICAS}",
+                           "--scaling.replicas_per_worker=1",
+                           f"--scaling.workers_per_replica={positions}"]).scaling
+    layout = WorkerLayout.create(scaling, rank, world)
+    hosted = {rank // positions: spread_deltas(rank // positions, shapes)}
+    figures = {}
+    for strategy in strategies:
+        sync = OuterSync(spread_outer(strategy), SPREAD_REPLICAS, 0, layout.sync_group,
+                         positions, layout.position)
+        params = {name: torch.zeros(shape) for name, shape in shapes.items()}
+        stats = sync.step(params, hosted, round_index=0)
+        within = (0 if layout.shard is None
+                  else layout.shard.share(sync.shares(shapes), params, params))
+        figures[strategy] = (stats.bytes_received, within)
+    return figures
+
+
+def spread_merge_seconds(strategy: str, positions: int, shapes: dict[str, torch.Size]
+                         ) -> float:
+    """The busiest position's merge seconds (payload, merge, momentum, update; the best of
+    2 tries, the first warms up) with every replica's Δ_r in this process."""
+    hosted = {r: spread_deltas(r, shapes) for r in range(SPREAD_REPLICAS)}
+    seconds = []
+    for position in range(positions):
+        tries = []
+        for _ in range(2):
+            sync = OuterSync(spread_outer(strategy), SPREAD_REPLICAS, 0, None, positions,
+                             position)
+            params = {name: torch.zeros(shape) for name, shape in shapes.items()}
+            tries.append(sync.step(params, hosted, round_index=0).merge_seconds)
+        seconds.append(min(tries))
+    return max(seconds)
+
+
+def part3(strategies: list[str]) -> None:
+    shapes = model_shapes(SCALED, LAYERS)
+    p = float32_bytes(shapes)
+    print(f"## Part 3: one outer step with each of R = {SPREAD_REPLICAS} replicas spread over "
+          f"G workers (178M shapes / 8, P = {p / 2**20:.1f} MiB), busiest rank\n")
+    print("| strategy | G | ranks | from other replicas ×P | within the replica ×P "
+          "| merge s | vs G = 1: bytes, merge |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    results = {g: in_gloo_group(spread_step, SPREAD_REPLICAS * g, g, strategies, shapes)
+               for g in SPREAD_POSITIONS}
+    for strategy in strategies:
+        whole: tuple[float, float] | None = None
+        for g, per_rank in results.items():
+            outer = max(r[strategy][0] for r in per_rank) / p
+            within = max(r[strategy][1] for r in per_rank) / p
+            merge = spread_merge_seconds(strategy, g, shapes)
+            whole = whole or (outer, merge)
+            print(f"| {strategy} | {g} | {len(per_rank)} | {outer:.3f} | {within:.3f} "
+                  f"| {merge:.3f} | {outer / whole[0]:.2f}, {merge / whole[1]:.2f} |")
+    print(flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", type=int, nargs="+", choices=(1, 2), default=[1, 2])
+    parser.add_argument("--part", type=int, nargs="+", choices=(1, 2, 3),
+                        default=[1, 2, 3])
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES,
                         default=list(STRATEGIES))
     parser.add_argument("--ranks", type=int, nargs="+", choices=(2, 4, 8),
@@ -281,8 +373,10 @@ def main() -> None:
         started = time.perf_counter()
         if part == 1:
             part1(args.strategies, worlds)
-        else:
+        elif part == 2:
             part2(args.strategies, blocks, args.seed)
+        else:
+            part3(args.strategies)
         took = time.perf_counter() - started
         print(f"(part {part}: {took:.0f} s wall)\n", flush=True)
 
