@@ -87,18 +87,27 @@ class TrafficCounter:
 
 
 def all_reduce_sum(tensors: Sequence[torch.Tensor], traffic: TrafficCounter,
-                   group: Group = None) -> None:
+                   group: Group = None, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Sum each tensor over the group's ranks, in place, in flattened buckets."""
     ranks = group_size(group)
     if ranks == 1 or not tensors:
         return
-    for index in buckets([t.numel() * t.element_size() for t in tensors]):
+    for index in buckets([t.numel() * t.element_size() for t in tensors], bucket_bytes):
         chunk = [tensors[i] for i in index]
         flat = flatten(chunk, chunk[0].dtype, chunk[0].device)
-        dist.all_reduce(flat, group=group)
-        traffic.received += int(2 * (ranks - 1) / ranks * flat.numel() * flat.element_size())
+        start_all_reduce(flat, traffic, group).wait()
         for t, summed in zip(chunk, unflatten(flat, [t.shape for t in chunk])):
             t.copy_(summed)
+
+
+def start_all_reduce(flat: torch.Tensor, traffic: TrafficCounter, group: Group = None
+                     ) -> dist.Work:
+    """Start summing `flat` over the group's ranks, in place (more than one rank); the sum is
+    there once the returned work's wait() returns."""
+    ranks = group_size(group)
+    work = dist.all_reduce(flat, group=group, async_op=True)
+    traffic.received += int(2 * (ranks - 1) / ranks * flat.numel() * flat.element_size())
+    return work
 
 
 def all_gather_flat(local: torch.Tensor, traffic: TrafficCounter, group: Group = None

@@ -13,7 +13,8 @@ import torch
 from isoloco_ray.data.format import DataError
 from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.agreement import stop_if_any_rank_failed
-from isoloco_ray.workers.collectives import TrafficCounter, all_reduce_sum
+from isoloco_ray.workers.collectives import TrafficCounter
+from isoloco_ray.workers.gradient_average import GradientAverage
 from isoloco_ray.workers.outer.step import OuterStepStats
 from isoloco_ray.workers.quorum import CommittedSync
 from isoloco_ray.workers.replica import (
@@ -68,18 +69,8 @@ class DataParallelRounds:
         shares = cfg.scaling.replicas * cfg.scaling.workers_per_replica
         load_parameters(trainer.model, trainer.global_params)
 
-        def average_over_all_replicas() -> None:
-            grads = []
-            for p in params:
-                if p.grad is None:  # no batch read here (a data error): still join the sum
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            computed = time.perf_counter()
-            all_reduce_sum(grads, traffic)
-            stats.comm_seconds += time.perf_counter() - computed
-            for grad in grads:
-                grad /= shares
-
+        # Every rank joins each step's sum, with zeros after a data error (no batch read).
+        average = GradientAverage(params, None, shares, traffic, zero_missing=True)
         started = time.perf_counter()
         loss_sum = torch.zeros((), device=trainer.env.device)
         data_error = None
@@ -95,7 +86,8 @@ class DataParallelRounds:
             loss_sum += inner_step(
                 trainer.runtime, self.optimizer, self.schedule,
                 [batch if shard is None else shard.rows(batch) for batch in batches],
-                cfg.resolved.micro_batch_size, cfg.inner.clip, average_over_all_replicas)
+                cfg.resolved.micro_batch_size, cfg.inner.clip, average)
+        stats.comm_seconds = average.finish_seconds
         inner_seconds = time.perf_counter() - started - stats.comm_seconds
         stop_if_any_rank_failed(data_error, trainer.round)
         stats.bytes_received = traffic.take()

@@ -24,12 +24,12 @@ from isoloco_ray.workers.collectives import (
     Group,
     TrafficCounter,
     all_reduce_scalars,
-    all_reduce_sum,
     broadcast_flat,
     buckets,
     flatten,
     unflatten,
 )
+from isoloco_ray.workers.gradient_average import GradientAverage
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,11 @@ class ReplicaShard:
         per_worker = len(batch) // self.workers
         return batch[self.position * per_worker:(self.position + 1) * per_worker]
 
-    def average_gradients(self, model: nn.Module) -> None:
-        """Replace every .grad by its mean over the replica's workers: the gradient of the
-        whole batch's mean loss (every worker's rows have the same number of tokens)."""
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        all_reduce_sum(grads, TrafficCounter(), self.group)
-        for grad in grads:
-            grad /= self.workers
+    def gradient_average(self, model: nn.Module) -> GradientAverage:
+        """What makes each step's gradients their mean over the replica's workers: the
+        gradient of the whole batch's mean loss (every worker's rows have the same number of
+        tokens), summed while backward runs."""
+        return GradientAverage(list(model.parameters()), self.group, self.workers)
 
     @torch.no_grad()
     def share(self, shares: Sequence[Sequence[str]], tensors: MutableMapping[str, torch.Tensor],

@@ -19,6 +19,7 @@ from torch import nn
 from isoloco_ray.config import InnerConfig, settled
 from isoloco_ray.data.stream import ReplicaStream, StreamPosition
 from isoloco_ray.workers.checkpoint import CheckpointError
+from isoloco_ray.workers.gradient_average import GradientAverage
 from isoloco_ray.workers.layout import ReplicaShard
 from isoloco_ray.workers.model import Runtime
 
@@ -57,19 +58,23 @@ def schedule_at(optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_sched
     schedule._last_lr = lrs  # what get_last_lr() reports, as after a step
 
 
-def accumulate_gradients(runtime: Runtime, batch: torch.Tensor, micro_batch_size: int
+def accumulate_gradients(runtime: Runtime, batch: torch.Tensor, micro_batch_size: int,
+                         before_last_backward: Callable[[], None] | None = None
                          ) -> torch.Tensor:
     """Forward/backward `batch` in micro-batches, adding the gradients of the batch's mean loss
     to `.grad`; returns that mean loss as a device tensor (no host sync in the inner loop).
+    `before_last_backward` is called right before the last micro-batch's backward.
 
     Every micro-batch has the same number of tokens, so the mean of micro-batch means is the
     batch mean.
     """
     micro_batches = runtime.to_device(batch).split(micro_batch_size)
     total = torch.zeros((), device=runtime.device)
-    for micro in micro_batches:
+    for index, micro in enumerate(micro_batches):
         with runtime.autocast():
             loss = runtime.forward(input_ids=micro, labels=micro).loss / len(micro_batches)
+        if before_last_backward is not None and index == len(micro_batches) - 1:
+            before_last_backward()
         loss.backward()
         total += loss.detach().float()
     return total
@@ -78,17 +83,20 @@ def accumulate_gradients(runtime: Runtime, batch: torch.Tensor, micro_batch_size
 def inner_step(runtime: Runtime, optimizer: torch.optim.Optimizer,
                schedule: torch.optim.lr_scheduler.LRScheduler, batches: Sequence[torch.Tensor],
                micro_batch_size: int, clip: float | None,
-               average_gradients: Callable[[], None] | None = None) -> torch.Tensor:
+               average: GradientAverage | None = None) -> torch.Tensor:
     """One inner AdamW step, as every training path takes it: the gradients of each batch's
-    mean loss add up in `.grad`, `average_gradients` (if any) averages them with the other
-    workers that share the step, then clipping, the optimizer and the LR schedule. Returns the
-    batches' summed mean losses as a device tensor (no host sync)."""
+    mean loss add up in `.grad`, `average` (if any) averages them with the other workers that
+    share the step (its all-reduces start during the last backward), then clipping, the
+    optimizer and the LR schedule. Returns the batches' summed mean losses as a device tensor
+    (no host sync)."""
     optimizer.zero_grad(set_to_none=True)
     loss = torch.zeros((), device=runtime.device)
-    for batch in batches:
-        loss += accumulate_gradients(runtime, batch, micro_batch_size)
-    if average_gradients is not None:
-        average_gradients()
+    for index, batch in enumerate(batches):
+        last = index == len(batches) - 1
+        loss += accumulate_gradients(runtime, batch, micro_batch_size,
+                                     average.arm if average is not None and last else None)
+    if average is not None:
+        average.finish()
     if clip is not None:
         nn.utils.clip_grad_norm_(runtime.forward.parameters(), clip)
     optimizer.step()
@@ -144,7 +152,7 @@ class Replica:
         if not self.in_model:
             load_parameters(model, self.params)
         model.train()
-        average = None if shard is None else lambda: shard.average_gradients(model)
+        average = None if shard is None else shard.gradient_average(model)
         losses = []
         for _ in range(steps):
             batch = self.stream.next_batch()

@@ -68,8 +68,8 @@ def test_adamw_ddp_skips_non_finite_rounds_and_stops_after_max_bad_rounds(
     poisoned_from_round = 2  # rounds are 1-based in reports; round 2's steps get NaN gradients
     state = {"steps": 0}
 
-    def accumulate_gradients(runtime, batch, micro_batch_size):
-        loss = real(runtime, batch, micro_batch_size)
+    def accumulate_gradients(runtime, batch, micro_batch_size, before_last_backward=None):
+        loss = real(runtime, batch, micro_batch_size, before_last_backward)
         state["steps"] += 1
         if state["steps"] > (poisoned_from_round - 1) * 2 * 2:  # 2 steps x 2 hosted replicas
             for p in runtime.forward.parameters():
