@@ -4,8 +4,9 @@ A checkpoint is one directory, written by every worker (Ray Train merges the wor
 
     state.json                 round, counters, the config (rank 0)
     global.safetensors         θ_t, the global parameters (rank 0)
-    outer_NNNN.safetensors     outer momentum buffers, if any, by the outer-group rank NNNN
-                               that holds them (docs/design.md: the owner of each tensor)
+    outer_NNNN.safetensors     outer momentum buffers, if any, by the outer-group rank that
+                               holds them (docs/design.md: the owner of each tensor); NNNN =
+                               that rank · G + its position within its replica
     replica_NNNN.pt            replica NNNN's AdamW state, LR schedule and stream position
                                (its host; loaded with torch.load(weights_only=True))
     data_parallel.pt           adamw_ddp only: its one AdamW state and LR schedule (rank 0)
@@ -132,7 +133,8 @@ def parameters_checksum(params: Mapping[str, torch.Tensor]) -> str:
 
 
 def outer_file(shard: int) -> str:
-    """File name of the outer momentum buffers one outer-group rank holds."""
+    """File name of the outer momentum buffers one outer-group rank holds (`shard`: its
+    OuterSync.momentum_file, unique among the G outer groups' ranks)."""
     return f"outer_{shard:04d}.safetensors"
 
 
@@ -148,7 +150,7 @@ def save_shared(directory: Path, global_params: Mapping[str, torch.Tensor],
 
 def save_outer_momentum(directory: Path, shard: int, buffers: Mapping[str, torch.Tensor]
                         ) -> None:
-    """The outer momentum buffers outer-group rank `shard` holds."""
+    """The outer momentum buffers an outer-group rank holds, in file number `shard`."""
     save_file({k: v.contiguous() for k, v in buffers.items()}, directory / outer_file(shard))
 
 
