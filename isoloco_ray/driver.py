@@ -185,8 +185,9 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
         (run_dir / run_files.FT_END).unlink(missing_ok=True)
     stop = threading.Event()
     follower = threading.Thread(target=follow_progress, daemon=True,
-                                args=(progress, cfg.run.rounds, run_dir / run_files.METRICS, stop,
-                                      on_metrics, cfg.outer.delay > 0))
+                                args=(progress, cfg.resolved.rounds,
+                                      run_dir / run_files.METRICS, stop, on_metrics,
+                                      cfg.outer.delay > 0))
     follower.start()
     from isoloco_ray.workers.replica_mode import read_end
 

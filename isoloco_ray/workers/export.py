@@ -38,6 +38,18 @@ class ExportError(RuntimeError):
     replace; the message names the path and the fix."""
 
 
+def export_into_summary(summary: dict[str, Any], model: PreTrainedModel, data_dir: Any,
+                        out_dir: Any) -> None:
+    """The run's last step, on the worker that writes its files: export `model` to `out_dir`
+    (`export_model`, marked if `summary` says the run diverged), or put why it could not be
+    in `summary["error"]`: a run without its model is not finished, and the error keeps it
+    resumable."""
+    try:
+        export_model(model, data_dir, out_dir, summary.get("diverged"))
+    except ExportError as exc:
+        summary["error"] = str(exc)
+
+
 def export_model(model: PreTrainedModel, data_dir: Any, out_dir: Any,
                  diverged: str | None = None) -> None:
     """Save `model` (safetensors) and the data's tokenizer for `from_pretrained` in `out_dir`

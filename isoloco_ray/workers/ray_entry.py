@@ -21,7 +21,7 @@ from isoloco_ray import run_files, storage
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import Dataset
 from isoloco_ray.workers import checkpoint, resume
-from isoloco_ray.workers.export import ExportError, export_model
+from isoloco_ray.workers.export import export_into_summary
 from isoloco_ray.workers.layout import placement_warning
 from isoloco_ray.workers.loop import Trainer, WorkerEnv
 from isoloco_ray.workers.round_metrics import Metrics
@@ -130,9 +130,5 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
         summary["resume_warning"] = warning
     summary["torch_threads"] = torch.get_num_threads()  # per worker (every rank sets alike)
     if "error" not in summary:
-        try:  # a run without its model is not finished: the error keeps it resumable
-            export_model(trainer.model, dataset, run_dir / run_files.MODEL_DIR,
-                         summary.get("diverged"))
-        except ExportError as exc:
-            summary["error"] = str(exc)
+        export_into_summary(summary, trainer.model, dataset, run_dir / run_files.MODEL_DIR)
     return summary

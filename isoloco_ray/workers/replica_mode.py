@@ -43,7 +43,7 @@ from isoloco_ray.data.format import Dataset
 from isoloco_ray.fault_tolerance import min_quorum
 from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.workers import checkpoint, resume
-from isoloco_ray.workers.export import ExportError, export_model
+from isoloco_ray.workers.export import export_into_summary
 from isoloco_ray.workers.loop import Trainer, WorkerEnv
 from isoloco_ray.workers.model import parameters_of
 from isoloco_ray.workers.outer.route import Route
@@ -215,11 +215,7 @@ def train_replica_worker(cfg: TrainConfig, dataset: Dataset, run_dir: Any, env: 
     summary.update(workers=cfg.scaling.num_workers, torch_threads=cfg.scaling.torch_threads)
     if warning is not None:
         summary["resume_warning"] = warning
-    try:
-        export_model(trainer.model, dataset, run_dir / run_files.MODEL_DIR,
-                     summary.get("diverged"))
-    except ExportError as exc:  # a run without its model is not finished
-        summary["error"] = str(exc)
+    export_into_summary(summary, trainer.model, dataset, run_dir / run_files.MODEL_DIR)
     write_end(run_dir, summary)
 
 

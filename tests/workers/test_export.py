@@ -81,3 +81,18 @@ def test_a_diverged_runs_model_is_exported_marked(model, small_dataset, tmp_path
     assert (tmp_path / "model" / "DIVERGED.txt").read_text() == \
         "This run diverged: its last rounds were skipped.\n"
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "model") is not None
+
+
+def test_the_runs_last_step_exports_or_says_why_in_its_summary(model, small_dataset, tmp_path):
+    """export_into_summary (both Ray entry points' last step): the model, marked when the run
+    diverged, or the export's error in the summary, which keeps the run unfinished."""
+    summary = {"status": "diverged", "diverged": "every replica diverged"}
+    export.export_into_summary(summary, model, small_dataset, tmp_path / "model")
+    assert "error" not in summary
+    assert (tmp_path / "model" / export.DIVERGED_FILE).exists()
+    in_the_way = tmp_path / "other"
+    in_the_way.write_text("my notes")
+    summary = {"status": "done"}
+    export.export_into_summary(summary, model, small_dataset, in_the_way)
+    assert summary["error"].startswith(f"{in_the_way} is a file, not the model directory")
+    assert in_the_way.read_text() == "my notes"
