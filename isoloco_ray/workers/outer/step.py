@@ -172,7 +172,8 @@ class OuterSync:
              hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
              diverged: Collection[int] = (),
              feedback: Mapping[int, dict[str, torch.Tensor]] | None = None) -> OuterStepStats:
-        """Apply one outer step to `global_params` in place from the hosted replicas' Δ_r.
+        """Apply one outer step to `global_params` in place from the hosted replicas' Δ_r
+        (with G positions, to this position's share of them: see `shares`).
 
         Replicas in `diverged` (non-finite inner loss) or with a non-finite Δ_r are left out on
         every rank alike, and the merge uses the others (the mean divides by their number).
