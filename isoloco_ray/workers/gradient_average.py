@@ -59,8 +59,8 @@ class GradientAverage:
         self._bucket_of = {id(self.params[i]): k for k, index in enumerate(self.buckets)
                            for i in index}
         self._waiting: list[int] = []  # per bucket: its parameters backward has yet to finish
-        self._next = -1  # the bucket to start next (they start last to first)
-        self._started: list[tuple[dist.Work | None, torch.Tensor, list[torch.Tensor]]] = []
+        self._next = len(self.buckets) - 1  # the bucket to start next (last to first)
+        self._started: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
         self._hooks: list[RemovableHandle] = []
         self.started_in_backward = 0  # buckets the last step started before `finish`
         self.finish_seconds = 0.0  # summed over steps: what training waited in `finish`
@@ -68,11 +68,12 @@ class GradientAverage:
     def arm(self) -> None:
         """Start each bucket's all-reduce as soon as the coming backward has finished its
         gradients (call it before the step's last backward)."""
+        if self.ranks == 1:
+            return
         self._waiting = [len(index) for index in self.buckets]
         self._next = len(self.buckets) - 1
-        if self.ranks > 1:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_done)
-                           for p in self.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_done)
+                       for p in self.params]
 
     def finish(self) -> None:
         """Start what backward did not (no backward ran, or parameters got no gradient),
@@ -82,20 +83,21 @@ class GradientAverage:
             hook.remove()
         self._hooks = []
         self.started_in_backward = len(self._started)
-        if self.ranks > 1:
-            while self._next >= 0:
-                self._start(self._next)
-                self._next -= 1
-        else:
-            self._started = [(None, torch.empty(0), self._gradients(range(len(self.params))))]
+        if self.ranks == 1:  # nothing to sum: the mean is the gradient over `divisor`
+            for grad in self._gradients(range(len(self.params))):
+                grad /= self.divisor
+            self.finish_seconds += time.perf_counter() - began
+            return
+        while self._next >= 0:
+            self._start(self._next)
+            self._next -= 1
         for work, flat, grads in self._started:
-            if work is not None:
-                work.wait()
-                for grad, summed in zip(grads, unflatten(flat, [g.shape for g in grads])):
-                    grad.copy_(summed)
-            for grad in grads:
+            work.wait()
+            for grad, summed in zip(grads, unflatten(flat, [g.shape for g in grads])):
+                grad.copy_(summed)
                 grad /= self.divisor
         self._started = []
+        self._next = len(self.buckets) - 1
         self.finish_seconds += time.perf_counter() - began
 
     def _gradient_done(self, param: torch.Tensor) -> None:

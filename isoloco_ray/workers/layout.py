@@ -12,7 +12,7 @@ position of every replica (the outer group). The G outer groups each step 1/G of
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +22,11 @@ from torch import nn
 from isoloco_ray.config import ScalingConfig
 from isoloco_ray.workers.collectives import (
     Group,
-    TrafficCounter,
     all_reduce_scalars,
-    broadcast_flat,
-    buckets,
-    flatten,
-    unflatten,
 )
 from isoloco_ray.workers.gradient_average import GradientAverage
+from isoloco_ray.workers.outer.plan import OuterPlan
+from isoloco_ray.workers.outer.transport import Transport
 
 
 @dataclass(frozen=True)
@@ -53,31 +50,27 @@ class ReplicaShard:
 
     @torch.no_grad()
     def share(self, shares: Sequence[Sequence[str]], tensors: MutableMapping[str, torch.Tensor],
-              like: MutableMapping[str, torch.Tensor]) -> int:
+              like: Mapping[str, torch.Tensor]) -> int:
         """Give every worker of the replica the values of `tensors` its worker at position p
-        holds for the names shares[p], for every p (each stepped its share of the outer step;
-        float32, so nothing is rounded). A name `tensors` lacks on a worker that receives it
-        is added, shaped as in `like`. Returns the bytes this worker received."""
-        traffic = TrafficCounter()
-        for position, names in enumerate(shares):
-            sizes = [like[name].numel() * 4 for name in names]
-            for index in buckets(sizes):
-                chunk = [names[i] for i in index]
-                device = like[chunk[0]].device
-                if position == self.position:
-                    flat = flatten([tensors[name] for name in chunk], torch.float32, device)
-                else:
-                    flat = torch.empty(sum(sizes[i] for i in index) // 4, dtype=torch.float32,
-                                       device=device)
-                broadcast_flat(flat, position, traffic, self.group)
-                if position == self.position:
-                    continue
-                for name, value in zip(chunk, unflatten(flat, [like[n].shape for n in chunk])):
-                    if name in tensors:
-                        tensors[name].copy_(value)
-                    else:
-                        tensors[name] = value.clone()
-        return traffic.take()
+        holds for the names shares[p], for every p (each stepped its share of the outer step):
+        each position broadcasts its share as an owner broadcasts its updates
+        (Transport.from_owners), in float32, so nothing is rounded. A name `tensors` lacks on
+        a worker that receives it is added, shaped as in `like`. Returns the bytes this
+        worker received."""
+        owners = {name: position for position, names in enumerate(shares) for name in names}
+        plan = OuterPlan(owners, self.workers, tuple(tuple(names) for names in shares))
+        transport = Transport("float32", self.group)
+        mine = shares[self.position]
+        values = transport.from_owners({name: tensors[name] for name in mine},
+                                       {name: like[name] for name in owners}, plan)
+        for name, value in values.items():
+            if name in mine:
+                continue
+            if name in tensors:
+                tensors[name].copy_(value)
+            else:
+                tensors[name] = value.clone()
+        return transport.take_bytes()
 
     def mean(self, value: float, device: torch.device) -> float:
         """The mean of a per-worker scalar over the replica's workers."""

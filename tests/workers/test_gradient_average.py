@@ -90,3 +90,28 @@ def test_one_rank_only_divides_and_zero_missing_fills_gradients():
     average.finish()
     for p, expected in zip(model.parameters(), want):
         assert torch.equal(p.grad, expected)
+
+
+def average_without_backward_on_rank_1(rank: int, world: int) -> list[list[torch.Tensor]]:
+    """Two steps in which rank 1 reads no batch (adamw_ddp after a data error): rank 0's
+    gradients before and after each average."""
+    model = small_model()
+    average = GradientAverage(list(model.parameters()), None, world, zero_missing=True,
+                              bucket_bytes=BUCKET_BYTES)
+    seen = []
+    for _ in range(2):  # the second step starts from the state the first left
+        model.zero_grad(set_to_none=True)
+        if rank == 0:
+            backward(model, rank, 1, average)
+            seen.append([p.grad.clone() for p in model.parameters()])
+        average.finish()
+        seen.append([p.grad.clone() for p in model.parameters()])
+    return seen
+
+
+def test_a_rank_without_backward_joins_the_sum_with_zeros():
+    rank0, rank1 = in_gloo_group(average_without_backward_on_rank_1, 2)
+    for step in range(2):
+        before, after = rank0[2 * step], rank0[2 * step + 1]
+        for own, mean, other in zip(before, after, rank1[step]):
+            assert torch.equal(mean, own / 2) and torch.equal(other, mean)
