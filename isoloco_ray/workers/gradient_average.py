@@ -71,7 +71,6 @@ class GradientAverage:
         if self.ranks == 1:
             return
         self._waiting = [len(index) for index in self.buckets]
-        self._next = len(self.buckets) - 1
         self._hooks = [p.register_post_accumulate_grad_hook(self._gradient_done)
                        for p in self.params]
 
