@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from isoloco_ray import train
 from isoloco_ray.config import load_config
@@ -20,8 +21,8 @@ pytest.importorskip("torchft")
 
 def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_its_quorums(
         ray_cluster, small_dataset, tmp_path, monkeypatch, capsys):
-    """3 workers (2 replicas each); worker 1 is SIGKILLed mid-round 3. The other two sync round
-    3 without it (after its heartbeat stops) and go on; Ray Train replaces worker 1 alone, the
+    """3 workers (2 replicas each); worker 1 is SIGKILLed mid-round 12. The other two sync round
+    12 without it (after its heartbeat stops) and go on; Ray Train replaces worker 1 alone, the
     replacement is healed by its peers in a later sync and contributes again before the end.
     Metrics name every round's contributors once; the final model is the plain loop's over
     those contributors, bit for bit; the result comes from the file the workers leave (rank 0
@@ -31,20 +32,20 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
             "--scaling.fault_tolerance=replica", "--scaling.cpus_per_worker=1",
             "--inner.steps=2", "--run.rounds=40", "--run.checkpoint_every=10",
             "--run.eval_every=40", "--run.eval_tokens=512", "--run.max_failures=2",
-            f"--run.storage_path={tmp_path}", "--run.name=ft"]
-    monkeypatch.setenv("ISOLOCO_RAY_KILL_AT", f"2:2:{tmp_path / 'killed'}")
+            "--run.keep_checkpoints=3", f"--run.storage_path={tmp_path}", "--run.name=ft"]
+    monkeypatch.setenv("ISOLOCO_RAY_KILL_AT", f"11:2:{tmp_path / 'killed'}")
     monkeypatch.setenv("ISOLOCO_RAY_FT_QUORUM_TIMEOUT_S", "60")
     assert train.main(args) == 0
     assert (tmp_path / "killed").exists()
-    assert "round    3/40 | loss" in capsys.readouterr().out.split("without workers [1]")[0]
+    assert "round   12/40 | loss" in capsys.readouterr().out.split("without workers [1]")[0]
     run_dir = tmp_path / "ft"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     assert [m["round"] for m in metrics] == list(range(41))
     contributors = [m["contributors"] for m in metrics[1:]]
-    assert contributors[:2] == [[0, 1, 2]] * 2 and contributors[2] == [0, 2]
-    # Round 3's quorum holds worker 1's replacement too when it came up in time (healed there,
+    assert contributors[:11] == [[0, 1, 2]] * 11 and contributors[11] == [0, 2]
+    # Round 12's quorum holds worker 1's replacement too when it came up in time (healed there,
     # bringing no Δ): a matter of timing, not of the outcome.
-    assert metrics[3]["missing_workers"] == [1] and metrics[3]["quorum"] in ([0, 2], [0, 1, 2])
+    assert metrics[12]["missing_workers"] == [1] and metrics[12]["quorum"] in ([0, 2], [0, 1, 2])
     assert contributors[-1] == [0, 1, 2]  # the replacement took part again
     assert all(m["sync_attempts"] == 1 for m in metrics)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -52,20 +53,25 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
     assert summary["model_sha256"] == checkpoint.parameters_sha256(expected)
     assert summary["worker_losses"] == 1
     assert summary["rounds_with_missing_workers"] == sum(c != [0, 1, 2] for c in contributors)
-    assert summary["max_quorum_wait_seconds"] >= metrics[3]["quorum_wait_seconds"] > 1
+    assert summary["max_quorum_wait_seconds"] >= metrics[12]["quorum_wait_seconds"] > 1
     assert (run_dir / "model" / "model.safetensors").is_file()
 
-    # The whole run again from its checkpoint of round 30 (as after a stop): it resumes from
-    # storage, not from a peer, and ends with the same parameters.
+    # The run again from its checkpoint of round 10, taken before the loss (as after a stop;
+    # the later ones lack worker 1's replicas for as long as its replacement took to come): it
+    # resumes from storage, not from a peer, and, nobody lost this time, ends with the plain
+    # loop's parameters over every worker from round 11 on.
     for name in ("summary.json", "ft_end.json"):
         (run_dir / name).unlink()
     shutil.rmtree(run_dir / "model")
-    shutil.rmtree(run_dir / "ftcheckpoint_000040")
-    assert checkpoint.checkpoint_problems(run_dir / "ftcheckpoint_000030") == []
+    for later in (20, 30, 40):
+        shutil.rmtree(run_dir / f"ftcheckpoint_{later:06d}")
+    assert checkpoint.checkpoint_problems(run_dir / "ftcheckpoint_000010") == []
     assert train.main(args) == 0
     assert "resuming" in capsys.readouterr().out
     resumed = json.loads((run_dir / "summary.json").read_text())
-    assert resumed["model_sha256"] == summary["model_sha256"]
+    expected = plain_loop.run_over_quorums(load_config(args), small_dataset,
+                                           contributors[:10] + [[0, 1, 2]] * 30)
+    assert resumed["model_sha256"] == checkpoint.parameters_sha256(expected)
 
 
 def test_a_worker_that_outlives_the_runs_result_is_made_to_exit(tmp_path):
@@ -104,3 +110,40 @@ def test_the_summary_counts_worker_losses_once_per_loss_and_a_resume_does_not_do
                                      "max_quorum_wait_seconds": 5.0}
     assert "without workers [1]" in format_progress(json.loads(lines[2]), 6)
     assert "without workers" not in format_progress(json.loads(lines[1]), 6)
+
+
+def test_a_resume_records_the_checkpoints_round_once_if_the_stopped_run_never_did(
+        tmp_path, small_dataset):
+    """A run stopped after its writer put round 2 on the driver's queue but before the driver
+    wrote it down (SIGTERM), with round 2's checkpoint stored: the checkpoint keeps the round's
+    metrics line (Trainer.save), and the resumed run's writer reports it, once; a round that
+    metrics.jsonl already holds is not reported again."""
+    from isoloco_ray import run_files
+    from isoloco_ray.data.stream import read_with_pyarrow
+    from isoloco_ray.workers.loop import Trainer, WorkerEnv
+    from isoloco_ray.workers.replica_mode import record_restored_round
+
+    cfg = load_config(["--model.preset=tiny", "--inner.steps=1", "--run.rounds=2",
+                       "--scaling.replicas_per_worker=4",
+                       "--data.seq_len=64", "--data.batch_size=2", "--run.eval_tokens=128"])
+    trainer = Trainer(cfg, small_dataset, WorkerEnv(0, 1, torch.device("cpu"),
+                                                    read_with_pyarrow, lambda *_: None))
+    trainer.round = 2
+    saved = tmp_path / "ftcheckpoint_0002"
+    saved.mkdir()
+    record = {"round": 2, "tokens": 512, "loss": 8.5, "contributors": [1, 2],
+              "missing_workers": [0]}
+    trainer.save(saved, record)
+    assert checkpoint.checkpoint_problems(saved) == []
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / run_files.METRICS).write_text(
+        json.dumps({"round": 0, "tokens": 0}) + "\n" + json.dumps({"round": 1, "tokens": 256})
+        + "\nnot json\n")
+    reported: list[tuple] = []
+    record_restored_round(saved, run_dir, lambda *args: reported.append(args))
+    assert reported == [(record, None, True)]
+    with (run_dir / run_files.METRICS).open("a") as log:
+        log.write(json.dumps(record) + "\n")
+    record_restored_round(saved, run_dir, lambda *args: reported.append(args))
+    assert len(reported) == 1

@@ -148,6 +148,13 @@ def save_shared(directory: Path, global_params: Mapping[str, torch.Tensor],
         {"format": FORMAT, **state, "outer": outer_scalars}, indent=1))
 
 
+def saved_record(directory: Path) -> dict[str, Any] | None:
+    """The metrics line of the round checkpoint `directory` was taken after, as its writer
+    kept it (state.json's "record"), or None (an older checkpoint, or none kept)."""
+    record = json.loads((directory / STATE_FILE).read_text()).get("record")
+    return record if isinstance(record, dict) else None
+
+
 def save_outer_momentum(directory: Path, shard: int, buffers: Mapping[str, torch.Tensor]
                         ) -> None:
     """The outer momentum buffers an outer-group rank holds, in file number `shard`."""

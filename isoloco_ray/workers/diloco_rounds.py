@@ -182,8 +182,14 @@ class DiLoCoRounds:
                         if replica.index not in stats.dropped:
                             shard.share(shares, replica.feedback, trainer.global_params)
             stats.wait_seconds += stats.comm_seconds - before  # training waits for it
+        # Healed in the sync: this worker fell behind (paused, slow) and the others went on.
+        # Its replicas go on as a replacement's do, from where the sync's round puts them.
+        healed = self.committed is not None and self.committed.healed
         for replica in trainer.replicas:
-            if replica.index in stats.dropped:
+            if healed:
+                replica.rejoin((trainer.round + 1) * trainer.cfg.inner.steps,
+                               trainer.global_params)
+            elif replica.index in stats.dropped:
                 replica.reset(trainer.global_params)
             else:
                 replica.take_global(trainer.global_params, trainer.fragments[fragment],

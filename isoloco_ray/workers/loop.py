@@ -162,19 +162,21 @@ class Trainer:
 
     def writes_run_files(self) -> bool:
         """Whether this worker writes what every worker holds alike (a checkpoint's shared
-        files, the model, the run's progress): rank 0, or with a quorum seat the lowest rank
-        in the last sync's quorum (rank 0 may be gone)."""
+        files, the model, the run's progress): rank 0, or with a quorum seat the last sync's
+        writer (CommittedSync.writer: rank 0 may be gone)."""
         if self.env.seat is None:
             return self.env.rank == 0
         committed = self.runner.committed
-        return committed is not None and committed.participants[0] == self.env.rank
+        return committed is not None and committed.writer == self.env.rank
 
-    def save(self, directory: Path) -> None:
-        """Write this rank's part of a checkpoint of the state after `self.round` rounds."""
+    def save(self, directory: Path, record: Metrics | None = None) -> None:
+        """Write this rank's part of a checkpoint of the state after `self.round` rounds;
+        `record`: the round's metrics line, kept with it (checkpoint.saved_record)."""
         writer = self.writes_run_files()
         if writer:
             checkpoint.save_shared(directory, self.global_params, self.outer.state_dict(),
-                                   {**self.counters(), "config": self.cfg.model_dump(mode="json")})
+                                   {**self.counters(), "config": self.cfg.model_dump(mode="json"),
+                                    "record": record})
             self.runner.save(directory)
         # A seated worker's outer group is itself alone: the writer saves the momentum (every
         # worker holds all of it); otherwise, in each of the G outer groups, rank 0 when every
@@ -278,24 +280,35 @@ class Trainer:
         worker that replaces a lost one (or starts late), the others' next sync, where it is
         healed (`load_quorum_state`, their state before that sync) and applies the committed
         update with them; its replicas then go on from θ as if they had taken the rounds so
-        far (Replica.rejoin)."""
+        far (Replica.rejoin). The others record that round (CommittedSync.writer); if it is a
+        checkpoint round this worker adds its replicas' files to the checkpoint, so that it is
+        complete."""
         assert self.env.seat is not None and isinstance(self.runner, DiLoCoRounds)
         deadline = time.monotonic() + JOIN_WAIT_S
         while True:
             _, committed = self.outer.quorum_step(self.global_params, {}, self.round,
-                                                  self.env.seat,
+                                                  self.env.seat, joining=True,
                                                   waiting=time.monotonic() < deadline)
             if not committed.again:
                 break
             time.sleep(JOIN_POLL_S)
         self.joined = True
         self.runner.committed = committed
-        if committed.good:  # the others' round, completed here too
-            self.round += 1
-        if committed.good or committed.healed:
+        if committed.round_taken:  # the others' round, completed here too
+            self.round = committed.round + 1
+        if committed.round_taken or committed.healed:
             for replica in self.replicas:
                 replica.rejoin(self.round * self.cfg.inner.steps, self.global_params)
-        return not (committed.healed or committed.contributors)
+        if committed.round_taken and self._checkpoint_round():
+            with tempfile.TemporaryDirectory() as directory:
+                self.save(Path(directory))  # its replicas' files: it is not the writer
+                self.env.report({"round": self.round}, Path(directory), False)
+        return not (committed.healed or committed.round_taken)
+
+    def _checkpoint_round(self) -> bool:
+        """Whether a checkpoint is taken after round `self.round`."""
+        return (self.round % self.cfg.run.checkpoint_every == 0
+                or self.round == self.cfg.resolved.rounds)
 
     def _train_rounds(self) -> None:
         cfg, env = self.cfg, self.env
@@ -325,7 +338,7 @@ class Trainer:
             self.bytes_total += metrics.outer_bytes_received or 0  # the busiest rank's
             # With a seat: who took part.
             metrics = replace(metrics, **self.runner.quorum_metrics())
-            saving = self.round % cfg.run.checkpoint_every == 0 or self.round == cfg.resolved.rounds
+            saving = self._checkpoint_round()
             agreement = check_workers_agree(self.global_params, self.round, full=saving)
             if saving:
                 metrics.state_sha256 = agreement
@@ -337,7 +350,7 @@ class Trainer:
                 metrics.eval_perplexity = perplexity(self.last_eval_loss)
             if saving:
                 with tempfile.TemporaryDirectory() as directory:
-                    self.save(Path(directory))
+                    self.save(Path(directory), metrics.as_dict())
                     # With a seat each worker checks its own files (no world collective).
                     stop_unless_checkpoint_fits(Path(directory), self.round,
                                                 0 if env.seat is not None else env.rank,

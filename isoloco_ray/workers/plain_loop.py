@@ -69,21 +69,23 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
                      contributors: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
     """DiLoCo when workers miss rounds (the quorum's outer step, OuterSync.quorum_step),
     plainly: W = R/V workers, worker w hosting replicas wV … wV+V−1. In round j only the
-    workers in `contributors[j]` take their inner steps and each sends the sum of its
-    replicas' Δ_r (in replica order); the mean is those sums added in rank order, over the
-    number of replicas in them, merged and applied by the outer optimizer. A worker absent
-    from round j has its replicas start round j+1 from θ with fresh AdamW moments, their LR
-    schedule and stream where (j+1)·H steps leave them (Replica.rejoin). Mean-only merges,
-    no streaming settings."""
+    workers in `contributors[j]` take their inner steps. For a merge of the mean each sends
+    the sum of its replicas' Δ_r (in replica order); the mean is those sums added in rank
+    order, over the number of replicas in them, merged and applied by the outer optimizer. A
+    merge of every Δ_r (tsv, isocts, ties) is OuterSync's step over the replicas present, in
+    replica order, keyed by round j (random masks). A worker absent from round j has its
+    replicas start round j+1 from θ with fresh AdamW moments, their LR schedule and stream
+    where (j+1)·H steps leave them (Replica.rejoin). No streaming settings."""
     replicas = make_replicas(cfg, data_dir)
     hosted = cfg.scaling.replicas_per_worker
     theta = {n: p.detach().clone() for n, p in replicas[0][0].named_parameters()}
     resolved = OuterMerge.of(cfg.outer)
+    every_delta = OuterSync(cfg.outer.quorum_outer(), len(replicas), cfg.run.seed)
     optimizer = outer_optimizer(cfg.outer)
     steps = cfg.inner.steps
     for round_index, present in enumerate(contributors):
         present = sorted(present)
-        sums = []
+        sums, deltas = [], {}
         for worker in present:
             mine = range(worker * hosted, worker * hosted + hosted)
             for r in mine:
@@ -93,17 +95,26 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
                 params = [dict(replicas[r][0].named_parameters()) for r in mine]
                 sums.append({n: sum((theta[n] - p[n] for p in params), torch.zeros_like(t))
                              for n, t in theta.items()})
+                deltas.update({r: {n: theta[n] - p[n] for n in theta}
+                               for r, p in zip(mine, params)})
         with torch.no_grad():
-            means = {}
-            for name in theta:
-                total = sums[0][name].clone()
-                for part in sums[1:]:
-                    total += part[name]
-                means[name] = total / (len(present) * hosted)
-            directions = means if resolved.merge == "mean" else aggregators.merge_all(
-                resolved.merge, {name: [mean] for name, mean in means.items()})
-            optimizer.apply(theta, {name: optimizer.update(name, direction)
-                                    for name, direction in directions.items()})
+            if not every_delta.route.sums:  # the absent replicas' Δ_r left out as diverged
+                absent = {r for r in range(len(replicas)) if r not in deltas}
+                every_delta.step(theta, {r: deltas.get(r) or {n: torch.zeros_like(t)
+                                                              for n, t in theta.items()}
+                                         for r in range(len(replicas))},
+                                 round_index, diverged=absent)
+            else:
+                means = {}
+                for name in theta:
+                    total = sums[0][name].clone()
+                    for part in sums[1:]:
+                        total += part[name]
+                    means[name] = total / (len(present) * hosted)
+                directions = means if resolved.merge == "mean" else aggregators.merge_all(
+                    resolved.merge, {name: [mean] for name, mean in means.items()})
+                optimizer.apply(theta, {name: optimizer.update(name, direction)
+                                        for name, direction in directions.items()})
             done = (round_index + 1) * steps
             for r, (model, (adamw, schedule), stream) in enumerate(replicas):
                 for n, p in model.named_parameters():

@@ -10,9 +10,12 @@ joined). The seat
    whose state is behind is healed there from a peer (θ, outer momentum, counters: whatever the
    `state_dict` callback returns), and a healed worker contributes nothing to this sync;
 2. exchanges one header row per worker (rank, whether it brings a Δ, its good replicas, its
-   loss sum, a fingerprint of its global parameters) by a float64 sum in which each row is
-   non-zero only in its own slot, so the sum is exact and the same on every worker; workers
-   whose parameters differ stop the run, all of them (they would merge into different models);
+   loss sum, a fingerprint of its global parameters, its round, whether it is joining) by a
+   float64 sum in which each row is non-zero only in its own slot, so the sum is exact and the
+   same on every worker; workers whose parameters or rounds differ stop the run, all of them
+   (they would merge into different models). Fingerprint and round are read after healing, so
+   the round is the sync's own on every participant, whatever round a worker that fell behind
+   was at: everything keyed by round (random masks) uses it;
 3. gathers every worker's payload (an all-gather, not a sum: gloo would add in an order of its
    own, which a plain reference loop could not reproduce; each worker adds the contributors'
    payloads in rank order instead);
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -44,8 +47,9 @@ from isoloco_ray.local_ray import is_loopback, loopback_store
 from isoloco_ray.workers.agreement import TrainingStopped
 
 # rank, brings a Δ (0/1), loss sum, waits for the others (0/1), the parameters' fingerprint
-# (two 48-bit parts, exact in float64); then one 0/1 per replica
-HEADER_FIELDS = 6
+# (two 48-bit parts, exact in float64), the round, joining (0/1); then one 0/1 per replica
+HEADER_FIELDS = 8
+ROUND, JOINING = 6, 7
 FINGERPRINT_DIGITS = 12  # hex digits per part
 
 
@@ -76,11 +80,29 @@ class CommittedSync:
     good: list[int]  # the replicas whose Δ_r are in the payloads, ascending
     loss_sum: float  # Σ over the contributors' loss sums
     attempts: int  # quorums it took (1 when nobody failed)
+    # The round every participant is at once healed: the sync's.
+    round: int = 0
+    # Participants syncing from Trainer.join: they took no inner steps of the round (a
+    # replacement, or every worker at a start) and do not record it.
+    joining: list[int] = field(default_factory=list)
     quorum_seconds: float = 0.0  # waiting for the quorums (and healing), all attempts
     healed: bool = False  # this worker's state came from a peer in this sync
     # A join without a Δ, not committed, in which every participant would rather wait for
     # the workers missing: sync again.
     again: bool = False
+
+    @property
+    def writer(self) -> int:
+        """The worker that records this round (progress, a checkpoint's shared files, the
+        run's result): the lowest rank of those that took the round, not a worker that only
+        joined in it (it neither reports nor evaluates the round); at a start, the lowest."""
+        took = [rank for rank in self.participants if rank not in self.joining]
+        return (took or self.participants)[0]
+
+    @property
+    def round_taken(self) -> bool:
+        """Whether some participant took the round's inner steps (not a start's join)."""
+        return len(self.joining) < len(self.participants)
 
 
 class QuorumSeat:
@@ -89,7 +111,8 @@ class QuorumSeat:
     `state_dict` / `load_state_dict` give and take what a worker that fell behind needs to go
     on (torchft calls them while healing); `numel` is the payload's length; `fingerprint`
     gives a hex digest of the worker's global parameters (checkpoint.parameters_checksum),
-    compared across the quorum in every sync."""
+    `current_round` the round it is at (Trainer.round): both read after healing and compared
+    across the quorum in every sync."""
 
     def __init__(self, rank: int, workers: int, replicas: int, numel: int,
                  lighthouse_addr: str,
@@ -97,7 +120,8 @@ class QuorumSeat:
                  load_state_dict: Callable[[dict[str, Any]], None], *,
                  min_workers: int, timeout: timedelta, quorum_timeout: timedelta,
                  host: str = "127.0.0.1", max_attempts: int = 5,
-                 fingerprint: Callable[[], str] | None = None) -> None:
+                 fingerprint: Callable[[], str] | None = None,
+                 current_round: Callable[[], int] | None = None) -> None:
         from torch.distributed import TCPStore
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.manager import Manager
@@ -106,6 +130,7 @@ class QuorumSeat:
         self.rank, self.workers, self.replicas, self.numel = rank, workers, replicas, numel
         self.max_attempts = max_attempts
         self.fingerprint = fingerprint
+        self.current_round = current_round
         self._healed = False
 
         def load(state: dict[str, Any]) -> None:
@@ -130,8 +155,11 @@ class QuorumSeat:
             checkpoint_transport=PGTransport(self._pg, timeout=timeout,
                                              device=torch.device("cpu")))
 
-    def sync(self, contribution: Contribution | None, waiting: bool = False) -> CommittedSync:
+    def sync(self, contribution: Contribution | None, waiting: bool = False,
+             joining: bool = False, round_index: int = 0) -> CommittedSync:
         """Run quorums until one commits this round's sync (see the module's docstring);
+        `round_index`: the round this worker is at, where the seat has no `current_round`;
+        `joining`: this worker syncs from Trainer.join (it took none of the round's steps);
         `waiting`: this worker, joining, would rather sync again once the workers missing
         are there (CommittedSync.again: every participant would, and some are missing). Raises
         QuorumError after `max_attempts` quorums that could not commit, and torchft's
@@ -144,7 +172,7 @@ class QuorumSeat:
             waited += time.perf_counter() - started
             if self._healed:  # behind the others: its Δ was computed from another θ
                 healed, contribution = True, None
-            result = self._exchange(contribution, waiting)
+            result = self._exchange(contribution, waiting, joining, round_index)
             if result is not None and result.again:
                 result.attempts, result.healed, result.quorum_seconds = attempt, healed, waited
                 return result  # to be repeated: not a step of torchft's
@@ -155,8 +183,8 @@ class QuorumSeat:
         raise QuorumError(f"worker {self.rank}: the outer sync was not committed in "
                           f"{self.max_attempts} quorums (workers kept failing during it)")
 
-    def _exchange(self, contribution: Contribution | None,
-                  waiting: bool) -> CommittedSync | None:
+    def _exchange(self, contribution: Contribution | None, waiting: bool, joining: bool,
+                  round_index: int) -> CommittedSync | None:
         """Headers, then payloads, through the quorum's process group; None when a collective
         failed (the Manager has recorded the error: should_commit is then False)."""
         from torchft.process_group import ReduceOp
@@ -166,6 +194,10 @@ class QuorumSeat:
         header = torch.zeros(size, HEADER_FIELDS + self.replicas, dtype=torch.float64)
         header[slot, 0] = self.rank
         header[slot, 3] = float(waiting)
+        header[slot, JOINING] = float(joining)
+        # After healing: a healed worker is at its peer's round.
+        header[slot, ROUND] = (round_index if self.current_round is None
+                               else self.current_round())
         if self.fingerprint is not None:  # after healing: a healed worker holds its peer's
             digest = self.fingerprint()
             header[slot, 4:6] = torch.tensor(
@@ -185,6 +217,12 @@ class QuorumSeat:
                 "the workers' global parameters differ (fingerprints by rank: "
                 + ", ".join(f"{rank}: {a:012x}{b:012x}" for rank, (a, b) in sorted(prints.items()))
                 + "); the outer sync is not deterministic here")
+        rounds = {rank: int(row[ROUND]) for rank, row in zip(ranks, header)}
+        if len(set(rounds.values())) > 1:
+            raise WorkersDiffer(
+                "the workers are at different rounds (by rank: "
+                + ", ".join(f"{rank}: {value}" for rank, value in sorted(rounds.items()))
+                + "); a worker behind the others should have been healed")
         brings = [bool(row[1] > 0.5) for row in header]
         payload = (contribution.payload if contribution is not None
                    else torch.zeros(self.numel, dtype=torch.float32))
@@ -201,7 +239,9 @@ class QuorumSeat:
             good=[] if good_flags is None else [r for r in range(self.replicas)
                                                  if good_flags[r] > 0.5],
             loss_sum=float(sum(header[i, 2] for i in contributors)),
-            attempts=0, again=(not contributors and bool((header[:, 3] > 0.5).all())
+            attempts=0, round=rounds[ranks[0]],
+            joining=[ranks[i] for i in order if header[i, JOINING] > 0.5],
+            again=(not contributors and bool((header[:, 3] > 0.5).all())
                                and size < self.workers))
 
     def _all_gather(self, payload: torch.Tensor, size: int) -> list[torch.Tensor] | None:

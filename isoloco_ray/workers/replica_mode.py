@@ -5,10 +5,12 @@ over the workers alive, and Ray Train replaces a lost worker alone. Nothing here
 Ray Train's reports, each of which waits for every worker (a lost one would hold them all until
 Ray Train restarts the whole group, which this mode exists to avoid). Instead:
 
-- progress: each round's writer (the lowest worker rank in its quorum) puts the round's metrics
-  on the driver's queue;
-- checkpoints: every worker of a checkpoint round's quorum writes its replicas' files, and the
-  writer the shared ones, into the run directory's `ftcheckpoint_<round>/`; a resumed run
+- progress: each round's writer (the lowest worker rank in its quorum that took the round, not
+  one that only joined in it: CommittedSync.writer) puts the round's metrics on the driver's
+  queue;
+- checkpoints: every worker of a checkpoint round's quorum writes its replicas' files (one
+  that joined in the round, those it rejoins with), and the writer the shared ones, into the
+  run directory's `ftcheckpoint_<round>/`; a resumed run
   starts from the newest intact one (resume.open_resume_point). One taken in a round a worker
   missed lacks that worker's replicas and is skipped as incomplete;
 - the end: the final round's writer exports the model and writes `ft_end.json`, the run's
@@ -73,7 +75,8 @@ def seated_trainer(cfg: TrainConfig, data: Path | Dataset, env: WorkerEnv, light
                       min_workers=min_quorum(cfg.scaling.num_workers), host=host,
                       timeout=timeout, quorum_timeout=quorum_timeout,
                       fingerprint=lambda: checkpoint.parameters_checksum(
-                          holder["trainer"].global_params))
+                          holder["trainer"].global_params),
+                      current_round=lambda: holder["trainer"].round)
     try:
         holder["trainer"] = Trainer(cfg, dataset, replace(env, seat=seat))
     except BaseException:
@@ -234,7 +237,36 @@ def restore_newest(trainer: Trainer, run_dir: Any) -> tuple[str | None, str | No
             trainer.restore(start.directory)
         except checkpoint.CheckpointError as exc:  # naming the stored files, not copies
             return str(exc).replace(str(start.directory), start.name), None
+        if trainer.writes_run_files():
+            record_restored_round(start.directory, run_dir, trainer.env.report)
         return None, start.warning
+
+
+def record_restored_round(directory: Path, run_dir: Any, report: Callable[..., None]) -> None:
+    """Record the round of the checkpoint a run resumes from if metrics.jsonl lacks it: the
+    run was stopped (SIGTERM) after its writer put the round on the driver's queue, before
+    the driver wrote it down, while the checkpoint was stored. The record kept in the
+    checkpoint is then reported, once, so that every round is in metrics.jsonl."""
+    record = checkpoint.saved_record(directory)
+    if record is None or record.get("round") in recorded_rounds(run_dir):
+        return
+    report(record, None, True)
+
+
+def recorded_rounds(run_dir: Any) -> set[int]:
+    """The rounds metrics.jsonl holds (lines that do not parse are left out)."""
+    path = run_dir / run_files.METRICS
+    if not path.exists():
+        return set()
+    rounds = set()
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("round"), int):
+            rounds.add(record["round"])
+    return rounds
 
 
 def write_end(run_dir: Any, result: Metrics) -> None:

@@ -6,6 +6,7 @@ attempt and no recomputation, and a replacement heals from a peer."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -426,6 +427,123 @@ def test_a_lost_trainer_is_replaced_and_the_run_goes_on_as_the_plain_loop_over_i
     assert summary_0["rounds"] == summary_1["rounds"] == summary_2["rounds"] == cfg.run.rounds
 
 
+def test_rank_0_lost_in_the_last_round_loses_no_record_and_a_random_mask_merge_survives(
+        lighthouse, small_dataset, tmp_path):
+    """TIES with random masks (keyed by round), 3 workers: worker 0, the lowest rank, dies in
+    the last round and its replacement joins that round's sync (the survivors hold their sync
+    until it is there). The replacement is healed and merges with the sync's round, not the
+    round it started at, so every worker ends with plain_loop.run_over_quorums' θ, bit for bit.
+    Every round is recorded exactly once, the last by survivor 1 (the replacement only joined
+    it) naming worker 0 as missing; the last checkpoint is complete (the replacement adds its
+    replicas' files: those it rejoins with)."""
+    from isoloco_ray.workers import checkpoint, plain_loop
+    from isoloco_ray.workers.loop import Trainer
+
+    cfg = trainer_config(3, "--outer.strategy=ties", "--outer.prune=random",
+                         "--run.checkpoint_every=3")
+    last = cfg.run.rounds - 1
+    replacement_built, died = threading.Event(), threading.Event()
+    recorded: list[tuple[str, int]] = []  # (worker, round) of every writer's report
+    last_record: list[dict] = []
+
+    def report(name: str, metrics: dict, directory, writer: bool) -> None:
+        if writer:
+            recorded.append((name, metrics["round"]))
+            if metrics["round"] == cfg.run.rounds:
+                last_record.append(metrics)
+        if directory is not None:
+            shutil.copytree(directory, tmp_path / f"round_{metrics['round']}",
+                            dirs_exist_ok=True)
+
+    def worker(rank: int, name: str, after_replica=None) -> Trainer:
+        return seated_trainer(cfg, small_dataset, rank, lighthouse,
+                              report=lambda m, d, w: report(name, m, d, w),
+                              after_replica=after_replica)
+
+    def die(round_index: int, replica: int) -> None:
+        if (round_index, replica) == (last, 0):
+            trainers[0].env.seat.shutdown()
+            died.set()
+            raise Lost
+
+    def wait_for_replacement(round_index: int, replica: int) -> None:
+        if round_index == last and replica % 2 == 1:  # before the last sync
+            assert replacement_built.wait(60)
+            time.sleep(0.5)  # it asks for its quorum first
+
+    trainers = [worker(0, "0", die), worker(1, "1", wait_for_replacement),
+                worker(2, "2", wait_for_replacement)]
+    replacement: list[Trainer] = []
+
+    def lost_worker() -> None:
+        with pytest.raises(Lost):
+            trainers[0].run()
+
+    def replace() -> dict:
+        assert died.wait(60)
+        replacement.append(worker(0, "0 again"))
+        replacement_built.set()
+        return replacement[0].run()
+
+    try:
+        _, summary_1, summary_2, summary_0 = in_threads(
+            lost_worker, trainers[1].run, trainers[2].run, replace, timeout=120)
+    finally:
+        for trainer in trainers + replacement:
+            trainer.env.seat.shutdown()
+    assert sorted(r for _, r in recorded) == list(range(cfg.run.rounds + 1)), recorded
+    assert ("1", cfg.run.rounds) in recorded
+    (record,) = last_record
+    assert (record["quorum"], record["contributors"], record["missing_workers"]) == \
+        ([0, 1, 2], [1, 2], [0])
+    expected = plain_loop.run_over_quorums(cfg, small_dataset, [[0, 1, 2], [0, 1, 2], [1, 2]])
+    for trainer in (trainers[1], trainers[2], replacement[0]):
+        for name, value in expected.items():
+            assert torch.equal(trainer.global_params[name], value), (trainer.env.rank, name)
+    assert "error" not in summary_1 and summary_1["rounds"] == cfg.run.rounds
+    assert summary_0["rounds"] == summary_2["rounds"] == cfg.run.rounds
+    assert checkpoint.checkpoint_problems(tmp_path / f"round_{cfg.run.rounds}") == []
+
+
+def test_a_worker_that_falls_behind_alive_is_healed_and_rejoins_where_the_round_puts_it(
+        lighthouse, small_dataset):
+    """Worker 2 stalls in round 2 (alive, heartbeating) for longer than the lighthouse waits:
+    the others sync without it and go on; when it reaches a sync it is behind, is healed there
+    and its replicas rejoin as a replacement's do (LR schedule and data stream where the round
+    puts them, not where it stopped). Every worker ends with plain_loop.run_over_quorums' θ
+    over the contributors recorded, bit for bit, and worker 2 contributes again."""
+    from isoloco_ray.workers import plain_loop
+
+    cfg = trainer_config(6)
+    records: list[dict] = []
+
+    def stall(round_index: int, replica: int) -> None:
+        if (round_index, replica) == (1, 5):
+            time.sleep(3)  # the fixture's lighthouse waits 2 s for a member still missing
+
+    def pace(round_index: int, replica: int) -> None:
+        if replica % 2:  # rounds of 0.7 s: the others are still under way when it comes
+            time.sleep(0.7)
+
+    trainers = [seated_trainer(cfg, small_dataset, rank, lighthouse,
+                               report=lambda m, _, writer: writer and records.append(m),
+                               after_replica=stall if rank == 2 else pace)
+                for rank in range(3)]
+    try:
+        in_threads(*[trainer.run for trainer in trainers], timeout=120)
+    finally:
+        for trainer in trainers:
+            trainer.env.seat.shutdown()
+    rounds = sorted((m for m in records if m["round"] > 0), key=lambda m: m["round"])
+    assert [m["round"] for m in rounds] == [1, 2, 3, 4, 5, 6]
+    contributors = [m["contributors"] for m in rounds]
+    assert contributors[1] == [0, 1] and contributors[-1] == [0, 1, 2], contributors
+    expected = plain_loop.run_over_quorums(cfg, small_dataset, contributors)
+    for trainer in trainers:
+        for name, value in expected.items():
+            assert torch.equal(trainer.global_params[name], value), (trainer.env.rank, name)
+
+
 def test_a_seat_listens_outside_loopback_only_where_torchft_gives_no_choice(lighthouse,
                                                                            monkeypatch):
     """Two seats that have synced (their store, process group and Manager all up): the one
@@ -459,6 +577,28 @@ def test_workers_whose_parameters_differ_all_stop_at_the_sync(lighthouse):
                 w.contribution(1))) for w in workers]):
             assert isinstance(outcome, WorkersDiffer)
             assert f"2: {'cd' * 12}" in str(outcome) and f"0: {'ab' * 12}" in str(outcome)
+    finally:
+        for worker in workers:
+            worker.seat.shutdown()
+
+
+def test_workers_at_different_rounds_all_stop_at_the_sync(lighthouse):
+    """The round each participant is at (read after healing, so a healed worker is at its
+    peer's) keys the merge's random masks: participants at different rounds stop, all of them,
+    naming each rank's round; at the same round the sync commits with that round."""
+    rounds = [4, 4, 5]
+    workers = [Worker(rank, lighthouse) for rank in range(3)]
+    for worker, value in zip(workers, rounds):
+        worker.seat.current_round = lambda value=value: value
+    try:
+        for (outcome,) in in_threads(*[lambda w=w: _raised(lambda: w.seat.sync(
+                w.contribution(1), round_index=9)) for w in workers]):
+            assert isinstance(outcome, WorkersDiffer)
+            assert "different rounds (by rank: 0: 4, 1: 4, 2: 5)" in str(outcome)
+        workers[2].seat.current_round = lambda: 4
+        for result in in_threads(*[lambda w=w: w.seat.sync(w.contribution(2), round_index=9)
+                                   for w in workers]):
+            assert result.round == 4 and result.writer == 0 and result.round_taken
     finally:
         for worker in workers:
             worker.seat.shutdown()

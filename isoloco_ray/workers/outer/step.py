@@ -221,8 +221,8 @@ class OuterSync:
     def quorum_step(self, global_params: dict[str, torch.Tensor],
                     hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
                     seat: QuorumSeat, diverged: Collection[int] = (),
-                    losses: Mapping[int, float] | None = None, waiting: bool = False
-                    ) -> tuple[OuterStepStats, CommittedSync]:
+                    losses: Mapping[int, float] | None = None, waiting: bool = False,
+                    joining: bool = False) -> tuple[OuterStepStats, CommittedSync]:
         """The outer step over the workers alive this round (scaling.fault_tolerance:
         replica). This worker's payload goes to the round's quorum (quorum.py): the sum of its
         good hosted Δ_r when the merge needs only their mean, else each hosted Δ_r (pruned
@@ -231,10 +231,12 @@ class OuterSync:
         mean divides by the good replicas in it, a per-replica merge gets their Δ_r in replica
         order, and the replicas of a worker that sent nothing are left out like diverged ones.
         `losses` (each hosted replica's mean inner loss) are summed over the good ones into
-        the quorum's loss sum; `waiting`: see QuorumSeat.sync. `global_params` and the outer
-        state may be replaced by a peer's inside the sync (this worker was behind: it brings
-        no Δ). Needs a route on which every worker merges and a float32 wire without
-        error feedback (the quorum moves float32): ValueError otherwise."""
+        the quorum's loss sum; `waiting`, `joining`: see QuorumSeat.sync. `global_params` and
+        the outer state may be replaced by a peer's inside the sync (this worker was behind: it
+        brings no Δ), and the merge is keyed by the sync's round (CommittedSync.round), which
+        is `round_index` only on a worker that was not behind. Needs a route on which every
+        worker merges and a float32 wire without error feedback (the quorum moves float32):
+        ValueError otherwise."""
         if not self.route.everyone_merges:
             raise ValueError(f"outer.strategy {self.outer.strategy} merges on owner ranks: the "
                              "quorum's outer step needs outer.placement=replicated")
@@ -255,7 +257,7 @@ class OuterSync:
             contribution = Contribution(flat, good, sum((losses or {}).get(r, 0.0)
                                                         for r in good))
         with stopwatch(stats, "comm_seconds", device):
-            committed = seat.sync(contribution, waiting)
+            committed = seat.sync(contribution, waiting, joining, round_index)
         stats.dropped = [r for r in range(self.replicas) if r not in committed.good]
         # The other participants' float32 payloads (the all-gather; headers are a few bytes).
         stats.bytes_received = (len(committed.participants) - 1) * 4 * seat.numel
@@ -264,7 +266,7 @@ class OuterSync:
             return stats, committed
         with stopwatch(stats, "merge_seconds", device):
             updates = self._updates(self._quorum_contributions(committed, global_params),
-                                    committed.good, round_index)
+                                    committed.good, committed.round)
             self.optimizer.apply(global_params, updates)
         return stats, committed
 
