@@ -69,7 +69,9 @@ def quorum_summary(lines: Iterable[str]) -> dict[str, Any]:
     record of each round: a resumed run repeats the rounds after its checkpoint):
     `worker_losses`, the times a worker that brought a Δ to one round brought none to the
     next (lost, or stalled past the lighthouse's wait); `rounds_with_missing_workers`; and
-    `max_quorum_wait_seconds`, the longest a round's writer waited for its quorum."""
+    `rounds_missed_by_worker`, the rounds each worker (by rank) brought no Δ to (lost,
+    replaced, or behind the others); and `max_quorum_wait_seconds`, the longest a round's
+    writer waited for its quorum."""
     rounds: dict[int, RoundMetrics] = {}
     for line in lines:
         record = RoundMetrics.from_dict(json.loads(line))
@@ -78,8 +80,27 @@ def quorum_summary(lines: Iterable[str]) -> dict[str, Any]:
     ordered = [rounds[index] for index in sorted(rounds)]
     losses = sum(len(set(before.contributors or ()) - set(after.contributors or ()))
                  for before, after in zip(ordered, ordered[1:]))
+    workers = max((max([*(r.contributors or ()), *(r.missing_workers or ())], default=-1)
+                   for r in ordered), default=-1) + 1
     return RunSummary(
         worker_losses=losses,
         rounds_with_missing_workers=sum(bool(r.missing_workers) for r in ordered),
+        rounds_missed_by_worker=[sum(w not in (r.contributors or ()) for r in ordered)
+                                 for w in range(workers)],
         max_quorum_wait_seconds=max((r.quorum_wait_seconds or 0.0 for r in ordered),
                                     default=0.0)).as_dict()
+
+
+def absence_note(summary: dict[str, Any]) -> str | None:
+    """The line that ends a replica-mode run in which some worker brought no Δ to some rounds
+    (lost, replaced, or behind the others), naming each such worker and its rounds missed;
+    None when every worker took part in every round (or for another mode)."""
+    missed = summary.get("rounds_missed_by_worker") or []
+    rounds = summary.get("rounds") or 0
+    absent = [f"worker {w} missed {count} of {rounds} round(s)"
+              for w, count in enumerate(missed) if count]
+    if not absent:
+        return None
+    return (f"note: {', '.join(absent)} (lost, replaced or behind the others; "
+            f"worker_losses {summary.get('worker_losses', 0)}): see missing_workers in "
+            "metrics.jsonl")

@@ -139,6 +139,7 @@ class RunSummary(_JsonRecord):
     # scaling.fault_tolerance=replica (fault_tolerance.quorum_summary)
     worker_losses: int | None = None
     rounds_with_missing_workers: int | None = None
+    rounds_missed_by_worker: list[int] | None = None  # rounds without each worker's Δ, by rank
     max_quorum_wait_seconds: float | None = None
     ray_start_seconds: float | None = None
     model_dir: str | None = None

@@ -19,7 +19,7 @@ from isoloco_ray.data.checks import epochs, validated_dataset
 from isoloco_ray.data.format import DataError, Dataset
 from isoloco_ray.data.prepare.documents import ensure_demo_for
 from isoloco_ray.driver import RunFailed, check_run_dir, run_once, saved_config
-from isoloco_ray.fault_tolerance import check_torchft_available
+from isoloco_ray.fault_tolerance import absence_note, check_torchft_available
 from isoloco_ray.local_ray import joined_cluster
 from isoloco_ray.storage import check_writable, hold_run
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
@@ -270,6 +270,9 @@ def train_run(cfg: TrainConfig, dataset: Dataset, run_dir: Path) -> int:
           f"{summary['initial_eval_loss']:.4f}), {summary['tokens']:,} tokens, "
           f"{summary['tokens_per_s']:,.0f} tok/s, {summary['seconds']:.0f}s")
     print(f"summary: {run_dir / run_files.SUMMARY}")
+    absent = absence_note(summary)
+    if absent is not None:
+        print(absent)
     if summary.get("status") == "diverged":
         print(f"error: the run diverged: {summary['diverged']}; its model is in "
               f"{summary['model_dir']}, marked DIVERGED.txt", file=sys.stderr)

@@ -93,7 +93,7 @@ def test_the_summary_counts_worker_losses_once_per_loss_and_a_resume_does_not_do
     """summary.json's replica-mode figures from metrics.jsonl: a worker missing after taking
     part is one loss (its healing round, also without it, is not another); rounds repeated
     by a resume count once, from their last record; the round-0 join is not a round."""
-    from isoloco_ray.fault_tolerance import quorum_summary
+    from isoloco_ray.fault_tolerance import absence_note, quorum_summary
     from isoloco_ray.metrics import format_progress
 
     def line(round_index, contributors, wait=0.1):
@@ -106,8 +106,15 @@ def test_the_summary_counts_worker_losses_once_per_loss_and_a_resume_does_not_do
     lines = [line(0, []), line(1, every), line(2, [0, 2], wait=5.0), line(3, [0, 2]),
              line(4, every), line(5, [0, 1]), line(4, every), line(5, [0, 1]),  # resumed
              line(6, every)]
-    assert quorum_summary(lines) == {"worker_losses": 2, "rounds_with_missing_workers": 3,
-                                     "max_quorum_wait_seconds": 5.0}
+    summary = quorum_summary(lines)
+    assert summary == {"worker_losses": 2, "rounds_with_missing_workers": 3,
+                       "rounds_missed_by_worker": [0, 2, 1], "max_quorum_wait_seconds": 5.0}
+    # The run's last line names each worker that missed rounds; none when all took part.
+    assert absence_note({**summary, "rounds": 6}) == (
+        "note: worker 1 missed 2 of 6 round(s), worker 2 missed 1 of 6 round(s) (lost, "
+        "replaced or behind the others; worker_losses 2): see missing_workers in metrics.jsonl")
+    assert absence_note(quorum_summary([line(1, every), line(2, every)])) is None
+    assert absence_note({"rounds": 6}) is None  # restart mode
     assert "without workers [1]" in format_progress(json.loads(lines[2]), 6)
     assert "without workers" not in format_progress(json.loads(lines[1]), 6)
 
