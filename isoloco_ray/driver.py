@@ -191,9 +191,14 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
     follower.start()
     from isoloco_ray.workers.replica_mode import read_end
 
-    try:
+    def attempt() -> Any:
         with allowed_counts_only(cfg.scaling):
-            result = build_trainer(cfg, data_dir, run_dir, progress, callbacks).fit()
+            return build_trainer(cfg, data_dir, run_dir, progress, callbacks).fit()
+
+    try:
+        result, restarts = (restarting_on_controller_errors(attempt, cfg.run.max_failures,
+                                                           run_dir)
+                            if replica_mode else (attempt(), 0))
     except ray_train_failure():
         # In replica mode a worker that outlived the run's result by long enough exits, and
         # Ray Train may count that as its last failure: the run is over all the same.
@@ -213,7 +218,39 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
     metrics = run_dir / run_files.METRICS
     if "error" not in final and metrics.exists():
         final.update(quorum_summary(metrics.read_text().splitlines()))
+    if "error" not in final:
+        final["group_restarts"] = restarts
     return final
+
+
+def restarting_on_controller_errors(attempt: Callable[[], Any], max_failures: int,
+                                    run_dir: Path) -> tuple[Any, int]:
+    """(`attempt()`'s result, the times it was made again): `attempt()` is a replica-mode
+    fit, made again while it ends in a Ray Train controller error
+    before the run's result is written, at most `max_failures` times (-1: no limit). Ray
+    2.60's controller fails that way when several workers are lost at once (it replaces
+    their groups one by one and the second is dead already); the workers of the next
+    attempt start together and resume from the newest complete checkpoint, so the losses
+    cost the rounds since it, not the run. Other failures are raised as they come."""
+    from ray.train import ControllerError
+
+    from isoloco_ray.workers.replica_mode import read_end
+
+    restarts = 0
+    while True:
+        try:
+            return attempt(), restarts
+        except ControllerError as exc:
+            if read_end(run_dir) is not None or restarts == max_failures:
+                raise
+            restarts += 1
+            lines = str(getattr(exc, "controller_failure", exc)).strip().splitlines()
+            cause = lines[0] if lines else type(exc).__name__
+            print(f"warning: Ray Train's controller failed ({cause}), as it does "
+                  "when several workers are lost at once: every worker starts again from the "
+                  f"newest complete checkpoint (restart {restarts} of "
+                  f"{'unlimited' if max_failures < 0 else max_failures}, run.max_failures)",
+                  file=sys.stderr, flush=True)
 
 
 def write_config(run_dir: Path, cfg: TrainConfig) -> None:

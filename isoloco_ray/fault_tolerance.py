@@ -93,14 +93,17 @@ def quorum_summary(lines: Iterable[str]) -> dict[str, Any]:
 
 def absence_note(summary: dict[str, Any]) -> str | None:
     """The line that ends a replica-mode run in which some worker brought no Δ to some rounds
-    (lost, replaced, or behind the others), naming each such worker and its rounds missed;
-    None when every worker took part in every round (or for another mode)."""
+    (lost, replaced, or behind the others), naming each such worker and its rounds missed,
+    or in which every worker started again from a checkpoint; None when every worker took
+    part in every round (or for another mode)."""
     missed = summary.get("rounds_missed_by_worker") or []
     rounds = summary.get("rounds") or 0
     absent = [f"worker {w} missed {count} of {rounds} round(s)"
               for w, count in enumerate(missed) if count]
-    if not absent:
-        return None
-    return (f"note: {', '.join(absent)} (lost, replaced or behind the others; "
-            f"worker_losses {summary.get('worker_losses', 0)}): see missing_workers in "
-            "metrics.jsonl")
+    notes = [f"{', '.join(absent)} (lost, replaced or behind the others; worker_losses "
+             f"{summary.get('worker_losses', 0)}): see missing_workers in metrics.jsonl"
+             ] if absent else []
+    if summary.get("group_restarts"):
+        notes.append(f"every worker started again from a checkpoint "
+                     f"{summary['group_restarts']} time(s) (several workers lost at once)")
+    return f"note: {'; '.join(notes)}" if notes else None

@@ -141,6 +141,9 @@ class RunSummary(_JsonRecord):
     rounds_with_missing_workers: int | None = None
     rounds_missed_by_worker: list[int] | None = None  # rounds without each worker's Δ, by rank
     max_quorum_wait_seconds: float | None = None
+    # Times every worker started again from a checkpoint (Ray Train's controller failed:
+    # driver.restarting_on_controller_errors).
+    group_restarts: int | None = None
     ray_start_seconds: float | None = None
     model_dir: str | None = None
     run_dir: str | None = None

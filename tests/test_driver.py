@@ -76,3 +76,43 @@ def test_a_trial_gets_the_same_check_and_says_why_it_failed_in_one_line(small_da
         "isoloco_ray.driver.RunFailed: the run stopped after round 2: every replica diverged"
     assert not (run_dir / run_files.SUMMARY).exists()
     assert (run_dir / run_files.CONFIG).exists()
+
+
+def test_a_replica_run_starts_again_from_its_checkpoint_when_ray_trains_controller_fails(
+        tmp_path, capsys):
+    """Ray 2.60's controller fails when several workers are lost at once (issue 46, item 4):
+    the attempt is made again, each time with a line saying so, at most run.max_failures
+    times; not once the run's result is written, and never for a worker group's own error."""
+    from ray.train import ControllerError, WorkerGroupError
+
+    def failing(times: int, error: Exception):
+        calls = []
+
+        def attempt():
+            calls.append(1)
+            if len(calls) <= times:
+                raise error
+            return "done"
+        return attempt, calls
+
+    died = ControllerError(RuntimeError("The actor died unexpectedly before finishing this task."))
+    attempt, calls = failing(2, died)
+    assert driver.restarting_on_controller_errors(attempt, 3, tmp_path) == ("done", 2)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(calls) == 3 and len(lines) == 2
+    assert lines[1].startswith("warning: Ray Train's controller failed (The actor died "
+                               "unexpectedly before finishing this task.)")
+    assert lines[1].endswith("(restart 2 of 3, run.max_failures)")
+    attempt, calls = failing(5, died)
+    with pytest.raises(ControllerError):
+        driver.restarting_on_controller_errors(attempt, 1, tmp_path)
+    assert len(calls) == 2
+    attempt, calls = failing(1, WorkerGroupError("rank 1 raised", {}))
+    with pytest.raises(WorkerGroupError):
+        driver.restarting_on_controller_errors(attempt, 3, tmp_path)
+    assert len(calls) == 1
+    (tmp_path / run_files.FT_END).write_text(json.dumps({"rounds": 3}))
+    attempt, calls = failing(1, died)
+    with pytest.raises(ControllerError):
+        driver.restarting_on_controller_errors(attempt, 3, tmp_path)
+    assert len(calls) == 1

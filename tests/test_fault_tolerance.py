@@ -115,6 +115,9 @@ def test_the_summary_counts_worker_losses_once_per_loss_and_a_resume_does_not_do
         "replaced or behind the others; worker_losses 2): see missing_workers in metrics.jsonl")
     assert absence_note(quorum_summary([line(1, every), line(2, every)])) is None
     assert absence_note({"rounds": 6}) is None  # restart mode
+    assert absence_note({"rounds": 6, "rounds_missed_by_worker": [0, 0], "group_restarts": 1}) \
+        == ("note: every worker started again from a checkpoint 1 time(s) (several workers "
+            "lost at once)")
     assert "without workers [1]" in format_progress(json.loads(lines[2]), 6)
     assert "without workers" not in format_progress(json.loads(lines[1]), 6)
 
