@@ -157,3 +157,40 @@ def test_a_resume_records_the_checkpoints_round_once_if_the_stopped_run_never_di
         log.write(json.dumps(record) + "\n")
     record_restored_round(saved, run_dir, lambda *args: reported.append(args))
     assert len(reported) == 1
+
+
+def test_a_worker_that_gets_no_quorum_stops_the_run_with_one_reason(tmp_path, small_dataset,
+                                                                    monkeypatch):
+    """A worker alone (1 of 3: a quorum needs 2) waits the quorum timeout, then leaves the
+    run's result as an error naming itself, the quorum it needed and the setting that bounds
+    the wait, and returns: Ray Train does not replace it to wait again (forever with
+    run.max_failures -1)."""
+    from torchft._torchft import LighthouseServer
+
+    from isoloco_ray.data.format import Dataset
+    from isoloco_ray.data.stream import read_with_pyarrow
+    from isoloco_ray.workers.loop import WorkerEnv
+    from isoloco_ray.workers.replica_mode import read_end, train_replica_worker
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE",
+                       "http://127.0.0.1:" + server.address().rsplit(":", 1)[1])
+    cfg = load_config(["--model.preset=tiny", "--inner.steps=1", "--run.rounds=2",
+                       "--data.seq_len=64", "--data.batch_size=4", "--run.eval_tokens=128",
+                       "--scaling.replicas=3", "--scaling.replicas_per_worker=1",
+                       "--scaling.fault_tolerance=replica"])
+    env = WorkerEnv(rank=1, world=3, device=torch.device("cpu"), read_rows=read_with_pyarrow,
+                    report=lambda *_: None)
+    started = time.monotonic()
+    try:
+        train_replica_worker(cfg, Dataset.open(small_dataset), tmp_path, env, None, True,
+                             {"collective": 5.0, "quorum": 2.0})
+    finally:
+        server.shutdown()
+    assert time.monotonic() - started < 30
+    assert read_end(tmp_path) == {
+        "error": "worker 1 saw no quorum of at least 2 of the 3 workers for 2 s "
+                 "(ISOLOCO_RAY_FT_QUORUM_TIMEOUT_S); it was never in a quorum. Fewer workers "
+                 "than that are alive and reach the lighthouse: start the run again (the same "
+                 "command resumes from its newest checkpoint) when they can",
+        "rounds": 0}

@@ -204,10 +204,12 @@ def train_replica_worker(cfg: TrainConfig, dataset: Dataset, run_dir: Any, env: 
             summary = trainer.run()
     except TimeoutError:
         # No quorum formed: the others may have finished (a worker replaced during the last
-        # round), which leaves nothing to do; otherwise Ray Train replaces this worker too.
-        if read_end(run_dir) is not None:
-            return
-        raise
+        # round), which leaves nothing to do. Otherwise the run stops here, with a reason:
+        # replacing this worker would only wait again (forever with run.max_failures -1).
+        if read_end(run_dir) is None:
+            write_end(run_dir, {"error": no_quorum_error(trainer, timeouts["quorum"]),
+                                "rounds": trainer.round})
+        return
     finally:
         trainer.env.seat.shutdown()
     if "error" in summary:
@@ -220,6 +222,20 @@ def train_replica_worker(cfg: TrainConfig, dataset: Dataset, run_dir: Any, env: 
         summary["resume_warning"] = warning
     export_into_summary(summary, trainer.model, dataset, run_dir / run_files.MODEL_DIR)
     write_end(run_dir, summary)
+
+
+def no_quorum_error(trainer: Trainer, waited: float) -> str:
+    """Why a worker that got no quorum for `waited` seconds stops the run: naming the workers
+    of the last quorum it was in and the setting that bounds the wait."""
+    workers = trainer.cfg.scaling.num_workers
+    committed = trainer.runner.committed
+    seen = (f"the last quorum it was in, after round {trainer.round}, held workers "
+            f"{committed.participants}" if committed is not None
+            else "it was never in a quorum")
+    return (f"worker {trainer.env.rank} saw no quorum of at least {min_quorum(workers)} of the "
+            f"{workers} workers for {waited:g} s (ISOLOCO_RAY_FT_QUORUM_TIMEOUT_S); {seen}. "
+            "Fewer workers than that are alive and reach the lighthouse: start the run again "
+            "(the same command resumes from its newest checkpoint) when they can")
 
 
 def restore_newest(trainer: Trainer, run_dir: Any) -> tuple[str | None, str | None]:
