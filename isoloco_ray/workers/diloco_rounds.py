@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from isoloco_ray.data.format import DataError
-from isoloco_ray.workers.agreement import stop_if_any_rank_failed
+from isoloco_ray.workers.agreement import TrainingStopped, stop_if_any_rank_failed
 from isoloco_ray.workers.fragments import round_events
 from isoloco_ray.workers.outer.step import OuterStepStats, stopwatch
 from isoloco_ray.workers.overlap import Background
@@ -61,7 +61,7 @@ class DiLoCoRounds:
                     done, checked = event.step, False
                 if event.starts:
                     # Every rank stops together before a sync when any rank's data failed.
-                    stop_if_any_rank_failed(data_error, trainer.round)
+                    self._stop_if_any_failed(data_error)
                     checked = True
                     self._start_sync(event.fragment, event.sync_round, losses)
                 else:
@@ -71,7 +71,7 @@ class DiLoCoRounds:
                 inner_seconds += seconds
                 checked = False
             if not checked:
-                stop_if_any_rank_failed(data_error, trainer.round)
+                self._stop_if_any_failed(data_error)
         finally:
             self._wait_for_syncs()
         if self.committed is not None:  # every contributing worker's, from the quorum
@@ -80,6 +80,18 @@ class DiLoCoRounds:
         total = sum((loss for replica, loss in self._mean_losses(losses).items()
                      if replica not in stats.dropped and counted), 0.0)
         return total, inner_seconds, stats
+
+    def _stop_if_any_failed(self, data_error: str | None) -> None:
+        """TrainingStopped on every worker, with one message, when any worker's data failed
+        this round: over the worker's ranks, or with a quorum seat over the round's quorum (the
+        failing worker's sync carries the message to the others' syncs)."""
+        trainer = self.trainer
+        seat = trainer.env.seat
+        if seat is not None and data_error is not None:
+            reason = f"worker {trainer.env.rank} in round {trainer.round + 1}: {data_error}"
+            seat.sync(None, round_index=trainer.round, stopping=reason)  # raises everywhere
+            raise TrainingStopped(reason)
+        stop_if_any_rank_failed(data_error, trainer.round)
 
     def _mean_losses(self, losses: dict[int, list[torch.Tensor]]) -> dict[int, float]:
         """Each hosted replica's mean inner loss this round (over its G workers' rows: every

@@ -47,9 +47,11 @@ from isoloco_ray.local_ray import is_loopback, loopback_store
 from isoloco_ray.workers.agreement import TrainingStopped
 
 # rank, brings a Δ (0/1), loss sum, waits for the others (0/1), the parameters' fingerprint
-# (two 48-bit parts, exact in float64), the round, joining (0/1); then one 0/1 per replica
+# (two 48-bit parts, exact in float64), the round, joining (0/1); then one 0/1 per replica,
+# then why this worker stops the run (UTF-8 bytes, zero-padded; all zero: it does not)
 HEADER_FIELDS = 8
 ROUND, JOINING = 6, 7
+STOP_BYTES = 512
 FINGERPRINT_DIGITS = 12  # hex digits per part
 
 
@@ -156,9 +158,13 @@ class QuorumSeat:
                                              device=torch.device("cpu")))
 
     def sync(self, contribution: Contribution | None, waiting: bool = False,
-             joining: bool = False, round_index: int = 0) -> CommittedSync:
+             joining: bool = False, round_index: int = 0,
+             stopping: str | None = None) -> CommittedSync:
         """Run quorums until one commits this round's sync (see the module's docstring);
         `round_index`: the round this worker is at, where the seat has no `current_round`;
+        `stopping`: why this worker stops the run (a data error): every participant then
+        raises TrainingStopped with the lowest such worker's reason (as the workers of
+        `restart` mode stop together), and nothing is committed;
         `joining`: this worker syncs from Trainer.join (it took none of the round's steps);
         `waiting`: this worker, joining, would rather sync again once the workers missing
         are there (CommittedSync.again: every participant would, and some are missing). Raises
@@ -172,7 +178,7 @@ class QuorumSeat:
             waited += time.perf_counter() - started
             if self._healed:  # behind the others: its Δ was computed from another θ
                 healed, contribution = True, None
-            result = self._exchange(contribution, waiting, joining, round_index)
+            result = self._exchange(contribution, waiting, joining, round_index, stopping)
             if result is not None and result.again:
                 result.attempts, result.healed, result.quorum_seconds = attempt, healed, waited
                 return result  # to be repeated: not a step of torchft's
@@ -184,14 +190,19 @@ class QuorumSeat:
                           f"{self.max_attempts} quorums (workers kept failing during it)")
 
     def _exchange(self, contribution: Contribution | None, waiting: bool, joining: bool,
-                  round_index: int) -> CommittedSync | None:
+                  round_index: int, stopping: str | None) -> CommittedSync | None:
         """Headers, then payloads, through the quorum's process group; None when a collective
         failed (the Manager has recorded the error: should_commit is then False)."""
         from torchft.process_group import ReduceOp
 
         size, slot = self.manager.num_participants(), self.manager.participating_rank()
         assert slot is not None  # use_async_quorum=False: every member participates
-        header = torch.zeros(size, HEADER_FIELDS + self.replicas, dtype=torch.float64)
+        flags = HEADER_FIELDS + self.replicas  # where the stop message starts
+        header = torch.zeros(size, flags + STOP_BYTES, dtype=torch.float64)
+        if stopping:
+            encoded = stopping.encode()[:STOP_BYTES]
+            header[slot, flags:flags + len(encoded)] = torch.tensor(list(encoded),
+                                                                    dtype=torch.float64)
         header[slot, 0] = self.rank
         header[slot, 3] = float(waiting)
         header[slot, JOINING] = float(joining)
@@ -211,6 +222,10 @@ class QuorumSeat:
         if self.manager.errored() is not None:
             return None
         ranks = [int(row[0]) for row in header]
+        for rank, row in sorted(zip(ranks, header), key=lambda pair: pair[0]):
+            if row[flags:].any():
+                raise TrainingStopped(bytes(int(b) for b in row[flags:] if b > 0)
+                                      .decode(errors="replace"))
         prints = {rank: tuple(int(v) for v in row[4:6]) for rank, row in zip(ranks, header)}
         if self.fingerprint is not None and len(set(prints.values())) > 1:
             raise WorkersDiffer(
@@ -231,7 +246,8 @@ class QuorumSeat:
             return None
         order = sorted(range(size), key=lambda i: ranks[i])
         contributors = [i for i in order if brings[i]]
-        good_flags = header[contributors, HEADER_FIELDS:].sum(dim=0) if contributors else None
+        good_flags = (header[contributors, HEADER_FIELDS:flags].sum(dim=0) if contributors
+                      else None)
         return CommittedSync(
             participants=[ranks[i] for i in order],
             contributors=[ranks[i] for i in contributors],

@@ -317,13 +317,15 @@ def trainer_config(rounds: int, *args: str):
                         "--scaling.replicas=6", "--scaling.replicas_per_worker=2", *args])
 
 
-def seated_trainer(cfg, data_dir, rank: int, lighthouse: str, report=None, after_replica=None):
+def seated_trainer(cfg, data_dir, rank: int, lighthouse: str, report=None, after_replica=None,
+                   read_rows=None):
     """Worker `rank`'s Trainer (no process group) with a quorum seat that heals through it."""
     from isoloco_ray.data.stream import read_with_pyarrow
     from isoloco_ray.workers.loop import WorkerEnv
     from isoloco_ray.workers.replica_mode import seated_trainer as seated
 
-    env = WorkerEnv(rank=rank, world=3, device=torch.device("cpu"), read_rows=read_with_pyarrow,
+    env = WorkerEnv(rank=rank, world=3, device=torch.device("cpu"),
+                    read_rows=read_rows or read_with_pyarrow,
                     report=report or (lambda metrics, _, writer: None), after_replica=after_replica)
     return seated(cfg, data_dir, env, lighthouse, timeout=timedelta(seconds=30),
                   quorum_timeout=timedelta(seconds=60))
@@ -542,6 +544,51 @@ def test_a_worker_that_falls_behind_alive_is_healed_and_rejoins_where_the_round_
     for trainer in trainers:
         for name, value in expected.items():
             assert torch.equal(trainer.global_params[name], value), (trainer.env.rank, name)
+
+
+def test_a_data_error_on_one_worker_stops_every_worker_with_its_message(lighthouse,
+                                                                        small_dataset):
+    """Worker 2's data fails after round 1 (as a bad shard would): its sync carries the reason
+    to the others', and every worker stops with the same message, naming worker 2 and the
+    round, as the workers of restart mode do; nothing of that round is applied."""
+    from isoloco_ray.data.format import DataError
+    from isoloco_ray.data.stream import read_with_pyarrow
+
+    cfg = trainer_config(4)
+    broken = threading.Event()
+
+    def read_rows(ranges):
+        for blocks in read_with_pyarrow(ranges):  # a shard's rows at a time, as they are read
+            if broken.is_set():
+                raise DataError("train/part-00001.parquet: token id 99999 >= vocabulary 384")
+            yield blocks
+
+    def after_round_1(round_index: int, replica: int) -> None:
+        if (round_index, replica) == (0, 5):
+            broken.set()
+
+    trainers = [seated_trainer(cfg, small_dataset, rank, lighthouse,
+                               after_replica=after_round_1 if rank == 2 else None,
+                               read_rows=read_rows if rank == 2 else None)
+                for rank in range(3)]
+    try:
+        summaries = in_threads(*[trainer.run for trainer in trainers], timeout=120)
+    finally:
+        for trainer in trainers:
+            trainer.env.seat.shutdown()
+    errors = {summary.get("error") for summary in summaries}
+    assert len(errors) == 1, summaries
+    (error,) = errors
+    assert error.startswith("worker 2 in round ") and error.endswith(
+        ": train/part-00001.parquet: token id 99999 >= vocabulary 384"), error
+    assert len({summary["rounds"] for summary in summaries}) == 1
+    assert len({checkpoint_sha(trainer) for trainer in trainers}) == 1
+
+
+def checkpoint_sha(trainer) -> str:
+    from isoloco_ray.workers import checkpoint
+
+    return checkpoint.parameters_sha256(trainer.global_params)
 
 
 def test_a_seat_listens_outside_loopback_only_where_torchft_gives_no_choice(lighthouse,
