@@ -44,6 +44,18 @@ def check_torchft_available(cfg: TrainConfig) -> None:
                           f"installed: {INSTALL_HINT}, or use scaling.fault_tolerance=restart")
 
 
+def exposure_note(cfg: TrainConfig) -> str | None:
+    """The line a replica-mode run prints once at its start: torchft's manager server (0.2.0,
+    and the nightly of 2026-10-26 alike) listens on every interface with no option for the
+    address and serves an unauthenticated Kill call; None in restart mode."""
+    if cfg.scaling.fault_tolerance != "replica":
+        return None
+    return ("note: in scaling.fault_tolerance=replica each worker's torchft manager server "
+            "listens on every interface (torchft offers no address to bind) and answers an "
+            "unauthenticated Kill call: keep the machines' firewall closed to the outside "
+            "(docs/fault_tolerance.md, \"Sockets and ports\")")
+
+
 def min_quorum(workers: int) -> int:
     """The fewest workers a round's quorum may have: a majority, so that two halves of a split
     cluster can never both go on (and a straggler never commits a round alone)."""

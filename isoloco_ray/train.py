@@ -19,7 +19,8 @@ from isoloco_ray.data.checks import epochs, validated_dataset
 from isoloco_ray.data.format import DataError, Dataset
 from isoloco_ray.data.prepare.documents import ensure_demo_for
 from isoloco_ray.driver import RunFailed, check_run_dir, run_once, saved_config
-from isoloco_ray.fault_tolerance import absence_note, check_torchft_available
+from isoloco_ray.fault_tolerance import (absence_note, check_torchft_available,
+                                         exposure_note)
 from isoloco_ray.local_ray import joined_cluster
 from isoloco_ray.storage import check_writable, hold_run
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
@@ -212,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    exposure = exposure_note(cfg)
+    if exposure is not None:
+        print(exposure, file=sys.stderr, flush=True)
     name = run_name(cfg)
     try:
         run_dir = check_writable(cfg.run.storage_path) / name

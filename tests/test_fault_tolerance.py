@@ -32,7 +32,7 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
             "--scaling.fault_tolerance=replica", "--scaling.cpus_per_worker=1",
             "--inner.steps=2", "--run.rounds=40", "--run.checkpoint_every=10",
             "--run.eval_every=40", "--run.eval_tokens=512", "--run.max_failures=2",
-            "--run.keep_checkpoints=3", f"--run.storage_path={tmp_path}", "--run.name=ft"]
+            "--run.keep_checkpoints=4", f"--run.storage_path={tmp_path}", "--run.name=ft"]
     monkeypatch.setenv("ISOLOCO_RAY_KILL_AT", f"11:2:{tmp_path / 'killed'}")
     monkeypatch.setenv("ISOLOCO_RAY_FT_QUORUM_TIMEOUT_S", "60")
     assert train.main(args) == 0
@@ -194,3 +194,45 @@ def test_a_worker_that_gets_no_quorum_stops_the_run_with_one_reason(tmp_path, sm
                  "than that are alive and reach the lighthouse: start the run again (the same "
                  "command resumes from its newest checkpoint) when they can",
         "rounds": 0}
+
+
+def test_checkpoint_retention_keeps_the_newest_complete_one_and_a_resume_drops_newer_ones(
+        tmp_path):
+    """Checkpoints of rounds a worker missed lack its replicas' files: the writer keeps the
+    newest `keep` and the newest complete one (here round 10, behind two incomplete ones),
+    so a worker out for several checkpoint rounds never leaves nothing to resume from. A
+    restart that resumes from round 10 deletes the newer ones: an earlier attempt's files
+    must never mix with the rounds run again into what looks like a complete checkpoint."""
+    from isoloco_ray import run_files
+    from isoloco_ray.workers.replica_mode import (QuorumReports, drop_newer_checkpoints,
+                                                  stored_checkpoints)
+
+    def stored(round_index: int, replicas: range) -> None:
+        directory = tmp_path / run_files.FT_CHECKPOINT.format(round=round_index)
+        directory.mkdir()
+        for name in [checkpoint.STATE_FILE, checkpoint.GLOBAL_FILE,
+                     *(checkpoint.replica_file(r) for r in replicas)]:
+            (directory / name).write_bytes(b"")
+
+    def rounds() -> list[str]:
+        return sorted(path.name for path in tmp_path.iterdir())
+
+    for round_index in (5, 10):
+        stored(round_index, range(3))
+    for round_index in (15, 20, 25):
+        stored(round_index, range(2))  # worker 2 (replica 2) missing
+    QuorumReports(tmp_path, None, keep=2, replicas=3)._prune()
+    assert rounds() == ["ftcheckpoint_000010", "ftcheckpoint_000020", "ftcheckpoint_000025"]
+    drop_newer_checkpoints(tmp_path, str(tmp_path / "ftcheckpoint_000010"))
+    assert rounds() == ["ftcheckpoint_000010"]
+    assert len(stored_checkpoints(tmp_path)) == 1
+
+
+def test_a_replica_run_says_once_that_torchfts_manager_listens_on_every_interface():
+    """torchft (0.2.0, and the nightly of 2026-10-26) binds its manager server to [::] with no
+    option for the address: the run says so at its start, in replica mode only."""
+    from isoloco_ray.fault_tolerance import exposure_note
+
+    note = exposure_note(load_config(["--scaling.fault_tolerance=replica"]))
+    assert note is not None and "listens on every interface" in note and "Kill" in note
+    assert exposure_note(load_config([])) is None

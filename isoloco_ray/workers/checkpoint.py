@@ -32,7 +32,7 @@ import pickle
 import posixpath
 import re
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +146,13 @@ def save_shared(directory: Path, global_params: Mapping[str, torch.Tensor],
     outer_scalars = {k: v for k, v in outer_state.items() if k != "buffers"}
     (directory / STATE_FILE).write_text(json.dumps(
         {"format": FORMAT, **state, "outer": outer_scalars}, indent=1))
+
+
+def holds_every_file(names: Collection[str], replicas: int) -> bool:
+    """Whether a checkpoint directory holding the files `names` has every file of a complete
+    checkpoint of `replicas` replicas by name (its contents are checked at resume:
+    checkpoint_problems)."""
+    return {STATE_FILE, GLOBAL_FILE, *(replica_file(r) for r in range(replicas))} <= set(names)
 
 
 def saved_record(directory: Path) -> dict[str, Any] | None:

@@ -10,9 +10,10 @@ Ray Train restarts the whole group, which this mode exists to avoid). Instead:
   queue;
 - checkpoints: every worker of a checkpoint round's quorum writes its replicas' files (one
   that joined in the round, those it rejoins with), and the writer the shared ones, into the
-  run directory's `ftcheckpoint_<round>/`; a resumed run
-  starts from the newest intact one (resume.open_resume_point). One taken in a round a worker
-  missed lacks that worker's replicas and is skipped as incomplete;
+  run directory's `ftcheckpoint_<round>/`, keeping the newest complete one besides the newest
+  (QuorumReports); a resumed run starts from the newest intact one
+  (resume.open_resume_point) and deletes those newer (an earlier attempt's). One taken in a
+  round a worker missed lacks that worker's replicas and is skipped as incomplete;
 - the end: the final round's writer exports the model and writes `ft_end.json`, the run's
   result, which the driver reads; a worker that has to stop writes why there instead.
 
@@ -115,11 +116,15 @@ def stored_checkpoints(run_dir: Any) -> list[Any]:
 
 
 class QuorumReports:
-    """WorkerEnv.report of a seated worker: progress and checkpoints (the module's docstring)."""
+    """WorkerEnv.report of a seated worker: progress and checkpoints (the module's docstring).
+    The writer keeps the newest `keep` checkpoints and the newest complete one (every
+    replica's file: those taken in rounds a worker missed lack its replicas'), so that a
+    worker out for several checkpoint rounds never leaves the run without one to resume
+    from."""
 
-    def __init__(self, run_dir: Any, progress: Any, keep: int) -> None:
+    def __init__(self, run_dir: Any, progress: Any, keep: int, replicas: int) -> None:
         self.run_dir, self.progress = run_dir, progress
-        self.keep = keep + 1  # the newest may lack a lost worker's replicas
+        self.keep, self.replicas = keep, replicas
 
     def __call__(self, metrics: Metrics, directory: Path | None, writer: bool) -> None:
         if writer and self.progress is not None:
@@ -132,10 +137,28 @@ class QuorumReports:
             self._prune()
 
     def _prune(self) -> None:
-        """Delete all but the newest `keep` checkpoints."""
+        """Delete all but the newest `keep` checkpoints and the newest complete one."""
+        import pyarrow.fs
+
         filesystem, _ = storage.arrow_location(self.run_dir)
-        for old in stored_checkpoints(self.run_dir)[self.keep:]:
-            filesystem.delete_dir(old.path)
+        stored = stored_checkpoints(self.run_dir)
+        complete = next((saved for saved in stored if checkpoint.holds_every_file(
+            [entry.base_name for entry in filesystem.get_file_info(
+                pyarrow.fs.FileSelector(saved.path))], self.replicas)), None)
+        for old in stored[self.keep:]:
+            if old is not complete:
+                filesystem.delete_dir(old.path)
+
+
+def drop_newer_checkpoints(run_dir: Any, resumed: str) -> None:
+    """Delete the run's checkpoints newer than `resumed` (the one a restart resumes from):
+    an earlier attempt's, damaged or incomplete, whose files the rounds run again would
+    otherwise mix with their own into what looks like a complete checkpoint."""
+    filesystem, _ = storage.arrow_location(run_dir)
+    name = posixpath.basename(resumed.rstrip("/"))
+    for saved in stored_checkpoints(run_dir):
+        if posixpath.basename(saved.path) > name:
+            filesystem.delete_dir(saved.path)
 
 
 def read_end(run_dir: Any) -> dict[str, Any] | None:
@@ -187,7 +210,8 @@ def train_replica_worker(cfg: TrainConfig, dataset: Dataset, run_dir: Any, env: 
         return  # a replacement started after the run ended
     import ray
 
-    env = replace(env, report=QuorumReports(run_dir, progress, cfg.run.keep_checkpoints))
+    env = replace(env, report=QuorumReports(run_dir, progress, cfg.run.keep_checkpoints,
+                                            cfg.scaling.replicas))
     host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
     trainer = seated_trainer(cfg, dataset, env, lighthouse_address(loopback),
                              timeout=timedelta(seconds=timeouts["collective"]),
@@ -254,6 +278,7 @@ def restore_newest(trainer: Trainer, run_dir: Any) -> tuple[str | None, str | No
         except checkpoint.CheckpointError as exc:  # naming the stored files, not copies
             return str(exc).replace(str(start.directory), start.name), None
         if trainer.writes_run_files():
+            drop_newer_checkpoints(run_dir, start.name)
             record_restored_round(start.directory, run_dir, trainer.env.report)
         return None, start.warning
 
