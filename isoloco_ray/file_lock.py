@@ -4,8 +4,10 @@ NFS, once the server's lease on a lost client runs out). They do not work on obj
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,9 +27,44 @@ class LockHeld(Exception):
         return self.holder or "a process that has just started"
 
 
+class LockRefused(Exception):
+    """The lock's name is taken by something other than a regular file (a symbolic link, a
+    directory, a FIFO, ...): it is neither followed nor written; the message says what and
+    the fix."""
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file's descriptor, opened for reading and writing and created if missing,
+    never through a symbolic link (a link planted in its place would have its target
+    truncated) and never anything but a regular file (LockRefused)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise LockRefused(f"{path} is a symbolic link, which a lock file is never: "
+                              "remove it and run again") from None
+        if exc.errno == errno.EISDIR:
+            raise LockRefused(f"{path} is a directory, where a lock file belongs: remove it "
+                              "and run again") from None
+        raise
+    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    if kind != stat.S_IFREG:
+        os.close(fd)
+        raise LockRefused(f"{path} is not a regular file (a {_KINDS.get(kind, 'special file')}"
+                          "), where a lock file belongs: remove it and run again")
+    os.set_blocking(fd, True)
+    return fd
+
+
+_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "character device",
+          stat.S_IFBLK: "block device", stat.S_IFDIR: "directory"}
+
+
 @contextmanager
 def exclusive(path: Path, *, wait: bool = True, holder: str | None = None) -> Iterator[None]:
-    """Hold an exclusive lock on the file `path` (created if missing) for the context.
+    """Hold an exclusive lock on the file `path` (created if missing; LockRefused when the name
+    is a symbolic link, a directory or another non-regular file) for the context.
 
     `wait=False`: raise LockHeld at once when another process holds it. `holder`: a line
     written into the file while the lock is held, which LockHeld gives those refused.
@@ -35,7 +72,7 @@ def exclusive(path: Path, *, wait: bool = True, holder: str | None = None) -> It
     The file is deleted on the way out, still locked; a process that then gets the lock of the
     deleted file sees that the name now points elsewhere (or nowhere) and locks again."""
     while True:
-        lock = open(path, "a+")
+        lock = os.fdopen(_open_lock(path), "r+")
         try:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -62,7 +99,7 @@ def exclusive(path: Path, *, wait: bool = True, holder: str | None = None) -> It
 def _same_file(path: Path, fd: int) -> bool:
     """Whether `path` still names the open file `fd`."""
     try:
-        st = path.stat()
+        st = path.lstat()
     except FileNotFoundError:
         return False
     own = os.fstat(fd)

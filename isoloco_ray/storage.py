@@ -27,7 +27,7 @@ from upath import UPath
 
 from isoloco_ray import run_files
 from isoloco_ray.config import ConfigError
-from isoloco_ray.file_lock import LockHeld, exclusive
+from isoloco_ray.file_lock import LockHeld, LockRefused, exclusive
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 # fsspec protocol -> the package that implements it, for the error when it is missing.
@@ -210,6 +210,9 @@ def hold_run(run_dir: UPath, field: str = "run.name") -> contextlib.ExitStack:
     holder = f"pid {os.getpid()} on {socket.gethostname()}, started {started}"
     try:
         stack.enter_context(exclusive(run_dir / run_files.LOCK, wait=False, holder=holder))
+    except LockRefused as refused:
+        stack.close()
+        raise ConfigError(f"{field}: {refused}") from None
     except LockHeld as held:
         stack.close()
         raise ConfigError(

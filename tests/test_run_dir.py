@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -70,3 +71,32 @@ def test_a_killed_holder_leaves_no_lock_behind(tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.05)
     assert not (run_dir / run_files.LOCK).exists()
+
+
+@pytest.mark.parametrize("planted", ["symlink", "directory", "fifo"])
+def test_a_lock_name_taken_by_a_link_a_directory_or_a_fifo_is_refused_and_nothing_touched(
+        tmp_path, planted):
+    """A `.run.lock` planted as a symbolic link to another file is never followed (its target
+    was truncated and written before), nor is a directory or a FIFO opened as a lock: one
+    line naming it and the fix, and the planted thing and its target as they were."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lock = run_dir / run_files.LOCK
+    target = tmp_path / "precious.txt"
+    target.write_text("the user's own words\n")
+    if planted == "symlink":
+        lock.symlink_to(target)
+    elif planted == "directory":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    with pytest.raises(ConfigError) as refused:
+        storage.hold_run(run_dir)
+    kind = {"symlink": "is a symbolic link, which a lock file is never",
+            "directory": "is a directory, where a lock file belongs",
+            "fifo": "is not a regular file (a FIFO), where a lock file belongs"}[planted]
+    assert str(refused.value) == f"run.name: {lock} {kind}: remove it and run again"
+    assert target.read_text() == "the user's own words\n"
+    assert lock.is_symlink() if planted == "symlink" else os.path.lexists(lock)
+    assert (lock.is_dir() if planted == "directory"
+            else planted != "fifo" or stat.S_ISFIFO(os.lstat(lock).st_mode))

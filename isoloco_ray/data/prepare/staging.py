@@ -10,11 +10,11 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from isoloco_ray.data.format import META_FILE, DataError, DatasetMeta, unexpected_entries
-from isoloco_ray.file_lock import exclusive
+from isoloco_ray.file_lock import LockRefused, exclusive
 
 # What a failed or interrupted preparation left behind, added to its exception as a note (main
 # prints it after "error: ..." or "interrupted: "). prepare_corpus may keep resumable work
@@ -113,5 +113,9 @@ def locked(out_dir: Path) -> Iterator[None]:
     it: concurrent processes (e.g. several Ray workers calling ensure_demo_data) prepare it
     once."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with exclusive(out_dir.with_name(f".{out_dir.name}.lock")):
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(exclusive(out_dir.with_name(f".{out_dir.name}.lock")))
+        except LockRefused as refused:
+            raise DataError(str(refused)) from None
         yield
