@@ -24,6 +24,7 @@ from isoloco_ray.elastic import allowed_counts_only, ray_scaling_config
 from isoloco_ray.fault_tolerance import quorum_summary, timeouts, torchft_backend
 from isoloco_ray.local_ray import joined_cluster
 from isoloco_ray.metrics import RunSummary, format_progress
+from isoloco_ray.own_files import append_line
 
 
 class RunFailed(Exception):
@@ -112,8 +113,7 @@ def follow_progress(queue: Any, rounds: int, log_path: Path, stop: threading.Eve
             continue
         print(format_progress(metrics, rounds, overlapped), flush=True)
         try:  # opened per round: object storage has no appending to an open file
-            with log_path.open("a") as log:
-                log.write(strict_json.dumps(metrics) + "\n")
+            append_line(log_path, strict_json.dumps(metrics))
         except Exception as exc:  # noqa: BLE001 - an unreachable store must not stop the run
             print(f"warning: cannot record round {metrics.get('round')} in {log_path} "
                   f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)

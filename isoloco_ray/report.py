@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray import run_files, strict_json
+from isoloco_ray import own_files, run_files, strict_json
 from isoloco_ray.config import flatten
 from isoloco_ray.metrics import SUMMARY_METRICS
 from isoloco_ray.run_records import (
@@ -117,13 +117,14 @@ def csv_table(report: Report) -> str:
     return out.getvalue()
 
 
-def plot_eval_loss(report: Report, path: Path) -> bool:
-    """eval_loss.png: eval loss against tokens, one labelled line per run; left the whole
-    run, right the second half zoomed in, where strategies differ. False without matplotlib."""
+def plot_eval_loss(report: Report) -> bytes | None:
+    """eval_loss.png's bytes: eval loss against tokens, one labelled line per run; left the
+    whole run, right the second half zoomed in, where strategies differ. None without
+    matplotlib."""
     try:
         import matplotlib
     except ImportError:
-        return False
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import EngFormatter
@@ -157,11 +158,10 @@ def plot_eval_loss(report: Report, path: Path) -> bool:
     if runs:
         full.legend(fontsize="small")
     fig.tight_layout()
-    image = io.BytesIO()  # through bytes: `path` may be on object storage
+    image = io.BytesIO()
     fig.savefig(image, format="png", dpi=90)
-    path.write_bytes(image.getvalue())
     plt.close(fig)
-    return True
+    return image.getvalue()
 
 
 def best_config_yaml(report: Report) -> str | None:
@@ -193,20 +193,34 @@ class Written:
     best_config: Path | None
 
 
+REPORT_FILES = ("results.md", "results.csv", "eval_loss.png", "best_config.yaml")
+
+
 def write_report(directory: Path, report: Report | None = None) -> tuple[Report, Written]:
-    """Write results.md, results.csv, eval_loss.png and best_config.yaml into `directory`."""
+    """Write results.md, results.csv, eval_loss.png and best_config.yaml into `directory`.
+    Raises ReportError, writing nothing, when any of those names holds a file a report did
+    not write there (the user's own, a link, or one changed since: own_files); a link is
+    never written through."""
     report = report or load_report(directory)
     directory = location(directory)
-    written = Written(directory / "results.md", directory / "results.csv", None, None)
-    written.markdown.write_text(markdown_report(report))
-    written.csv.write_text(csv_table(report))
-    if plot_eval_loss(report, directory / "eval_loss.png"):
-        written.plot = directory / "eval_loss.png"
+    foreign = own_files.foreign_files(directory, REPORT_FILES)
+    if foreign:
+        raise ReportError(
+            f"{directory} holds {', '.join(foreign)}, which a report did not write there (or "
+            "which changed since): a report never replaces them; move them elsewhere and run "
+            "the report again")
+    files: dict[str, bytes | str] = {"results.md": markdown_report(report),
+                                     "results.csv": csv_table(report)}
+    plot = plot_eval_loss(report)
+    if plot is not None:
+        files["eval_loss.png"] = plot
     best = best_config_yaml(report) if len(report.runs) > 1 else None
     if best is not None:
-        written.best_config = directory / "best_config.yaml"
-        written.best_config.write_text(best)
-    return report, written
+        files["best_config.yaml"] = best
+    own_files.write_own(directory, files)
+    return report, Written(directory / "results.md", directory / "results.csv",
+                           directory / "eval_loss.png" if plot is not None else None,
+                           directory / "best_config.yaml" if best is not None else None)
 
 
 def print_report(report: Report, written: Written) -> None:
@@ -243,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report.metric = args.metric or report.metric
     report.mode = args.mode or ("max" if args.metric == "tokens_per_s" else report.mode)
-    print_report(report, write_report(args.directory, report)[1])
+    try:
+        written = write_report(args.directory, report)[1]
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_report(report, written)
     return 0
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import uuid
 from pathlib import Path
 from typing import Any
+
+from isoloco_ray.own_files import replace_file
 
 
 def finite_or_none(value: Any) -> Any:
@@ -34,16 +34,6 @@ def dumps(value: Any, **kwargs: Any) -> str:
 def write(path: Path, value: Any, *, indent: int | None = None) -> None:
     """Write `value` to `path` as strict JSON (and a final newline), atomically: through a
     temporary file beside it and a rename, so a reader never sees half a file (a torn
-    summary.json would look like a finished run). On object storage (a remote UPath) one
-    upload is already all or nothing."""
-    text = dumps(value, indent=indent) + "\n"
-    if not isinstance(path, Path):
-        path.write_text(text)
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    summary.json would look like a finished run), which replaces a link planted at the name
+    rather than writing through it (own_files.replace_file)."""
+    replace_file(path, dumps(value, indent=indent) + "\n")

@@ -48,7 +48,7 @@ from isoloco_ray.grids.scheduler import describe_scheduler, make_scheduler
 from isoloco_ray.grids.search import SearchState, make_searcher, search_of, search_state
 from isoloco_ray.grids.trainable import run_trial, trial_name, trial_space
 from isoloco_ray.report import print_report, write_report
-from isoloco_ray.run_records import RunRecord
+from isoloco_ray.run_records import ReportError, RunRecord
 from isoloco_ray.storage import check_writable
 
 
@@ -91,7 +91,11 @@ def run_grid(plan: GridPlan, max_concurrent: int | None, resume: bool) -> int:
         print(f"grid {plan.name}: every trial has finished, failed or been stopped early; "
               "nothing to resume", flush=True)
 
-    report, written = write_report(plan.grid_dir)
+    try:
+        report, written = write_report(plan.grid_dir)
+    except ReportError as exc:  # the trials are kept: only the report was not written
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print_report(report, written)
     return grid_status(report.runs)
 
@@ -108,7 +112,7 @@ def run_trials(plan: GridPlan, max_concurrent: int | None, resume: bool,
     concurrency = start_cluster(plan, max_concurrent, count)
     plan.grid_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
-        (plan.grid_dir / run_files.GRID).write_text(strict_json.dumps(manifest, indent=2))
+        strict_json.write(plan.grid_dir / run_files.GRID, manifest, indent=2)
     experiment = new_experiment_name(plan.grid_dir)
     print(f"grid {plan.name}: {'resuming ' if resume else ''}{count} trial"
           f"{'s' if count != 1 else ''}, up to {concurrency} at once, in {plan.grid_dir}"

@@ -195,3 +195,34 @@ def test_report_path_must_be_an_existing_directory(tmp_path, capsys):
                                        "must be one directory name: ASCII letters, digits and "
                                        ". _ = , + - starting with a letter or digit (no '/', "
                                        "'..', spaces or other characters)\n")
+
+
+def test_a_report_never_replaces_a_file_it_did_not_write_nor_writes_through_a_link(tmp_path,
+                                                                                    capsys):
+    """The report's names in a directory hold the user's own results.md, or a results.csv
+    that is a link to another file: one line naming them, nothing written, both untouched.
+    Its own files, once written, are replaced by the next report (and refused again once
+    edited by hand)."""
+    write_run(tmp_path / "a", ["--outer.strategy=isoc"], [6.0, 5.1])
+    run_dir = tmp_path / "a"
+    mine = run_dir / "results.md"
+    mine.write_text("my notes\n")
+    outside = tmp_path / "elsewhere.csv"
+    outside.write_text("precious\n")
+    (run_dir / "results.csv").symlink_to(outside)
+    assert report.main([str(run_dir)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (f"error: {run_dir} holds results.md, results.csv, which a report did not "
+                     "write there (or which changed since): a report never replaces them; move "
+                     "them elsewhere and run the report again")
+    assert mine.read_text() == "my notes\n" and outside.read_text() == "precious\n"
+    assert not (run_dir / "eval_loss.png").exists()
+    mine.unlink()
+    (run_dir / "results.csv").unlink()
+    assert report.main([str(run_dir)]) == 0
+    assert report.main([str(run_dir)]) == 0  # its own files: replaced
+    capsys.readouterr()
+    (run_dir / "results.csv").write_text("edited\n")
+    assert report.main([str(run_dir)]) == 2
+    assert "holds results.csv," in capsys.readouterr().err
+    assert (run_dir / "results.csv").read_text() == "edited\n"

@@ -100,3 +100,37 @@ def test_a_lock_name_taken_by_a_link_a_directory_or_a_fifo_is_refused_and_nothin
     assert lock.is_symlink() if planted == "symlink" else os.path.lexists(lock)
     assert (lock.is_dir() if planted == "directory"
             else planted != "fifo" or stat.S_ISFIFO(os.lstat(lock).st_mode))
+
+
+def test_a_json_file_written_where_a_link_was_planted_replaces_the_link(tmp_path):
+    """summary.json, config.json, grid.json, ... (strict_json.write, own_files.replace_file):
+    a symbolic link planted at the name is replaced by the file, its target untouched."""
+    from isoloco_ray import strict_json
+
+    target = tmp_path / "precious.txt"
+    target.write_text("the user's own words\n")
+    summary = tmp_path / "summary.json"
+    summary.symlink_to(target)
+    strict_json.write(summary, {"rounds": 3})
+    assert not summary.is_symlink() and summary.read_text() == '{"rounds": 3}\n'
+    assert target.read_text() == "the user's own words\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["precious.txt", "summary.json"]
+
+
+def test_metrics_lines_are_never_appended_through_a_planted_link(tmp_path):
+    """metrics.jsonl is appended to a line per round (own_files.append_line): a symbolic link
+    planted at its name fails the write (the driver warns that it cannot record the round)
+    and its target is untouched; a regular file gets the line."""
+    from isoloco_ray.own_files import append_line
+
+    target = tmp_path / "precious.txt"
+    target.write_text("the user's own words\n")
+    metrics = tmp_path / run_files.METRICS
+    metrics.symlink_to(target)
+    with pytest.raises(OSError):
+        append_line(metrics, '{"round": 1}')
+    assert target.read_text() == "the user's own words\n"
+    metrics.unlink()
+    append_line(metrics, '{"round": 1}')
+    append_line(metrics, '{"round": 2}')
+    assert metrics.read_text() == '{"round": 1}\n{"round": 2}\n'

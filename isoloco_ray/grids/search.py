@@ -13,6 +13,7 @@ from isoloco_ray.grids.expand import Search, Trial
 from isoloco_ray.grids.plan import GridPlan, trial_entry
 from isoloco_ray.grids.resume import run_is_over
 from isoloco_ray.grids.trainable import trial_space
+from isoloco_ray.own_files import replace_file
 from isoloco_ray.run_records import finite, last_error_line, load_run
 
 # Proposals of each grid point's searcher drawn at random (seeded) before TPE models the
@@ -216,8 +217,8 @@ def make_searcher(plan: GridPlan, state: SearchState, manifest: dict[str, Any]) 
             source = search.points[proposal.point]
             run_dir = runs_dir / proposal.name
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / run_files.ERROR).write_text(f"ConfigError: the proposal is not a valid "
-                                              f"config: {error}\n")
+            replace_file(run_dir / run_files.ERROR,
+                         f"ConfigError: the proposal is not a valid config: {error}\n")
             record({"name": proposal.name, "overrides": {**source.overrides, **proposal.values},
                     "strategy": proposal.values.get("outer.strategy",
                                                     source.config.outer.strategy),

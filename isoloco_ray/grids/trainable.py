@@ -12,6 +12,7 @@ from typing import Any
 from isoloco_ray import run_files, strict_json
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.grids.expand import Trial
+from isoloco_ray.own_files import replace_file
 from isoloco_ray.storage import hold_run, location, run_directory
 
 
@@ -45,7 +46,7 @@ def _run_trial_held(cfg: TrainConfig, data_dir: Any, run_dir: Any) -> dict[str, 
                            callbacks=[TuneReportCallback()],
                            after_fit=wait_for_tune_to_take_reports)
     except Exception:
-        (run_dir / run_files.ERROR).write_text(traceback.format_exc())
+        replace_file(run_dir / run_files.ERROR, traceback.format_exc())
         raise
     # summary.json is strict JSON (a NaN eval loss is null: the report says "diverged");
     # so is what Tune records.

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from isoloco_ray import strict_json
+from isoloco_ray.own_files import replace_file
 from isoloco_ray.workers import checkpoint
 
 # Ray Train's record of a run's checkpoints, in the run directory, rewritten in place after
@@ -130,7 +131,7 @@ def repair_record(run_dir: Any) -> str | None:
         current_report_index=len(results), validated_checkpoint_dir_names=[],
         timed_out_validation_checkpoint_dir_names=[], failed_validation_checkpoint_dir_names=[])
     backup = run_dir / f"{RAY_RECORD}.damaged"
-    backup.write_bytes(text)
+    replace_file(backup, text)
     strict_json.write(record, json.loads(rebuilt.model_dump_json()))
     return (f"note: Ray Train's record of this run's checkpoints ({record}) was unusable: {why} "
             f"(e.g. a disk that filled up); rebuilt from the {len(results)} checkpoint "
