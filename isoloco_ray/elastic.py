@@ -14,17 +14,16 @@ Ray Train's controller by pickle, so the class lives here, importable wherever t
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from isoloco_ray.config import ScalingConfig
+from isoloco_ray.env_settings import read_env
 
-# How often a running elastic job checks whether the cluster now fits another worker count
-# (Ray's default is 60 s; a restart costs a checkpoint's worth of rounds, so not much sooner).
-# The environment variable is for tests and benchmarks that add a node and cannot wait.
-RESIZE_CHECK_ENV = "ISOLOCO_RAY_RESIZE_CHECK_SECONDS"
-RESIZE_CHECK_SECONDS = 60.0
+# How often a running elastic job checks whether the cluster now fits another worker count:
+# ISOLOCO_RAY_RESIZE_CHECK_SECONDS (env_settings.py), 60 s as Ray's default (a restart costs a
+# checkpoint's worth of rounds, so not much sooner); set lower by tests and benchmarks that
+# add a node and cannot wait.
 
 
 def ray_scaling_config(scaling: ScalingConfig) -> Any:
@@ -40,8 +39,8 @@ def ray_scaling_config(scaling: ScalingConfig) -> Any:
         # g·G … g·G+G-1), which all-reduce every inner step, on one node (checked at start:
         # layout_warning).
         placement_strategy="PACK",
-        **({"elastic_resize_monitor_interval_s": float(
-            os.environ.get(RESIZE_CHECK_ENV, RESIZE_CHECK_SECONDS))} if elastic else {}))
+        **({"elastic_resize_monitor_interval_s": read_env().resize_check_seconds}
+           if elastic else {}))
 
 
 def round_down(count: int, allowed: Sequence[int]) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,8 +31,10 @@ def timeouts() -> dict[str, float]:
     """The workers' bounds, in seconds (docs/fault_tolerance.md), read on the driver: a
     collective of the quorum fails after `collective`, a worker waits `quorum` for a quorum
     (longer than a round: a replacement waits for the others' next sync)."""
-    return {"collective": float(os.environ.get("ISOLOCO_RAY_FT_TIMEOUT_S", "30")),
-            "quorum": float(os.environ.get("ISOLOCO_RAY_FT_QUORUM_TIMEOUT_S", "600"))}
+    from isoloco_ray.env_settings import read_env
+
+    env = read_env()
+    return {"collective": env.ft_timeout_s, "quorum": env.ft_quorum_timeout_s}
 
 
 def check_torchft_available(cfg: TrainConfig) -> None:

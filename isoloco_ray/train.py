@@ -19,6 +19,7 @@ from isoloco_ray.data.checks import epochs, validated_dataset
 from isoloco_ray.data.format import DataError, Dataset
 from isoloco_ray.data.prepare.documents import ensure_demo_for
 from isoloco_ray.driver import RunFailed, check_run_dir, run_once, saved_config
+from isoloco_ray.env_settings import read_env
 from isoloco_ray.fault_tolerance import (absence_note, check_torchft_available,
                                          exposure_note)
 from isoloco_ray.local_ray import joined_cluster
@@ -48,9 +49,8 @@ LOCAL_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 # busy cores trained 3-4x slower than one with a single thread (R=8 demo, 1 worker: 1,152 vs
 # 3,390 tok/s; PASSIVE: 4,671). Threads that sleep while they wait cost nothing of that.
 LOCAL_WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-# How long a run on a joined cluster (which may autoscale) waits for the GPUs scaling.use_gpu
-# needs before it is refused.
-GPU_WAIT_SECONDS = float(os.environ.get("ISOLOCO_RAY_GPU_WAIT_SECONDS", 600))
+# How often a run on a joined cluster (which may autoscale) looks for the GPUs scaling.use_gpu
+# needs; it waits ISOLOCO_RAY_GPU_WAIT_SECONDS for them (env_settings.py) before it is refused.
 GPU_POLL_SECONDS = 5.0
 
 
@@ -168,7 +168,7 @@ def check_gpus(cfg: TrainConfig, joined: bool) -> None:
     """ConfigError when scaling.use_gpu asks for more GPUs (one per worker, at the fewest
     workers the run may use) than the Ray cluster has, instead of waiting for them forever: at
     once on a cluster of this machine; on a joined cluster, which an autoscaler may grow, after
-    waiting up to GPU_WAIT_SECONDS for them, saying so."""
+    waiting up to ISOLOCO_RAY_GPU_WAIT_SECONDS for them, saying so."""
     import ray
 
     if not cfg.scaling.use_gpu:
@@ -177,16 +177,17 @@ def check_gpus(cfg: TrainConfig, joined: bool) -> None:
     have = ray.cluster_resources().get("GPU", 0.0)
     if have >= need:
         return
+    wait = read_env().gpu_wait_seconds
     if joined:
-        print(f"waiting up to {GPU_WAIT_SECONDS:g} s for {need} GPUs (scaling.use_gpu: one per "
+        print(f"waiting up to {wait:g} s for {need} GPUs (scaling.use_gpu: one per "
               f"worker); the cluster has {have:g} now, an autoscaler may add nodes", flush=True)
-        deadline = time.monotonic() + GPU_WAIT_SECONDS
+        deadline = time.monotonic() + wait
         while have < need and time.monotonic() < deadline:
             time.sleep(min(GPU_POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
             have = ray.cluster_resources().get("GPU", 0.0)
         if have >= need:
             return
-    waited = f" after {GPU_WAIT_SECONDS:g} s" if joined else ""
+    waited = f" after {wait:g} s" if joined else ""
     raise ConfigError(f"scaling.use_gpu: the Ray cluster has {have:g} GPUs{waited} and the run "
                       f"needs {need} (one per worker); set scaling.use_gpu=false to train on "
                       "CPUs, or run on a cluster with GPUs")
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 for configuration errors)."""
     args = sys.argv[1:] if argv is None else argv
     try:
+        read_env()  # every variable checked before anything starts
         cfg = load_config(args)
         ensure_demo_for(cfg)  # the demo corpus, prepared on first use when data.path is unset
         dataset = validated_dataset(cfg)

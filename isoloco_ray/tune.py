@@ -48,6 +48,7 @@ from isoloco_ray.grids.scheduler import describe_scheduler, make_scheduler
 from isoloco_ray.grids.search import SearchState, make_searcher, search_of, search_state
 from isoloco_ray.grids.trainable import run_trial, trial_name, trial_space
 from isoloco_ray.report import print_report, write_report
+from isoloco_ray.env_settings import read_env
 from isoloco_ray.run_records import ReportError, RunRecord
 from isoloco_ray.storage import check_writable
 
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_concurrent is not None and args.max_concurrent < 1:
         parser.error("--max-concurrent must be at least 1")
     try:
+        read_env()  # every variable checked before anything starts
         plan = plan_grid(args.config, rest, args.name, dry_run=args.dry_run)
     except (ConfigError, DataError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -263,7 +263,7 @@ def cluster_without_gpus(monkeypatch):
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0})
-    monkeypatch.setattr(train, "GPU_WAIT_SECONDS", 0.3)
+    monkeypatch.setenv("ISOLOCO_RAY_GPU_WAIT_SECONDS", "0.3")
     monkeypatch.setattr(train, "GPU_POLL_SECONDS", 0.05)
 
     def no_training(*args, **kwargs):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import stat
 import sys
 from pathlib import Path
@@ -196,9 +195,9 @@ def scanned_max_token_id(data_dir: DataDir, meta: DatasetMeta) -> int | None:
     """The largest token id, from the stamp when its key (``stamp_key``) still matches the
     files, else from a full scan (which writes the stamp); None when
     ``ISOLOCO_RAY_VERIFY_DATA=never``."""
-    mode = os.environ.get(VERIFY_ENV, "once")
-    if mode not in ("once", "always", "never"):
-        raise ConfigError(f"{VERIFY_ENV}={mode!r}: expected once, always or never")
+    from isoloco_ray.env_settings import read_env
+
+    mode = read_env().verify_data
     if mode == "never":
         return None
     # Taken before the scan: a shard changed while it is being read gets a stale key.

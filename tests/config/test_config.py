@@ -233,7 +233,7 @@ def test_gpus_an_autoscaler_adds_while_waiting_are_taken(monkeypatch, cluster_wi
 
     answers = iter([{"GPU": 0.0}, {"GPU": 1.0}, {"GPU": 2.0}])
     monkeypatch.setattr(ray, "cluster_resources", lambda: next(answers))
-    monkeypatch.setattr(train, "GPU_WAIT_SECONDS", 30.0)
+    monkeypatch.setenv("ISOLOCO_RAY_GPU_WAIT_SECONDS", "30")
     train.check_gpus(load_config(["--scaling.replicas=2", "--scaling.replicas_per_worker=1",
                                   "--scaling.use_gpu=true"]),
                      joined=True)
@@ -447,3 +447,32 @@ def test_help_says_how_to_unset_an_optional_field(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "are unset again with null, None or none" in out
     assert "--inner.clip=null (no clipping)" in out
+
+
+@pytest.mark.parametrize("variable, value, why", [
+    ("ISOLOCO_RAY_GPU_WAIT_SECONDS", "abc", "Input should be a valid number, unable to parse "
+                                            "string as a number; it takes seconds ≥ 0"),
+    ("ISOLOCO_RAY_FT_TIMEOUT_S", "0", "Input should be greater than 0; it takes seconds > 0"),
+    ("ISOLOCO_RAY_FT_QUORUM_TIMEOUT_S", "inf", "Input should be a finite number; it takes "
+                                               "seconds > 0"),
+    ("ISOLOCO_RAY_RESIZE_CHECK_SECONDS", "-1", "Input should be greater than 0"),
+    ("ISOLOCO_RAY_VERIFY_DATA", "sometimes", "it takes once, always or never"),
+    ("ISOLOCO_RAY_CACHE", "FILE", "it names a file, not a directory; it takes a directory"),
+])
+def test_a_bad_environment_variable_is_one_line_naming_it_before_anything_starts(
+        monkeypatch, capsys, tmp_path, variable, value, why):
+    """Every ISOLOCO_RAY_ variable is read and checked in one place (env_settings.py) before
+    a CLI starts anything: one `error:` line naming the variable, its value and what it takes,
+    exit status 2, no traceback (train and tune alike)."""
+    from isoloco_ray import tune
+
+    if value == "FILE":
+        value = str(tmp_path / "a-file")
+        (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(variable, value)
+    for main, args in ((train.main, ["--model.preset=tiny"]),
+                       (tune.main, ["tune_configs/demo_strategies.yaml", "--dry-run"])):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {variable}={value!r}: ") and why in err, err
+        assert len(err.splitlines()) == 1 and "Traceback" not in err

