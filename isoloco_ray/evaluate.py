@@ -210,10 +210,16 @@ def load_model(model_dir: Path, config: Any, device: Any) -> Any:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from safetensors import SafetensorError
+
     hf_logging.disable_progress_bar()  # one result line, not a bar per load
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, config=config,
                                                      use_safetensors=True, dtype=torch.float32)
+    except SafetensorError as exc:  # a file cut short (a copy or a disk that failed) or garbled
+        raise UsageError(f"cannot load the model in {model_dir}: its safetensors weights are "
+                         f"damaged or cut short ({str(exc).splitlines()[0]}); export or copy "
+                         "the model again") from None
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot load the model in {model_dir}: {exc}") from None
     return model.to(device)

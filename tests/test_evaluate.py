@@ -130,7 +130,14 @@ def error_cases(run_dir: Path, data: dict[str, Path], tmp: Path) -> dict[str, tu
     summary = json.loads((moved / "summary.json").read_text())
     (moved / "summary.json").write_text(json.dumps({**summary, "data_dir": str(tmp / "gone")}))
     model = str(run_dir / "model")
+    cut = tmp / "cut"  # a model whose weights were copied only in part
+    shutil.copytree(run_dir / "model", cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     return {
+        "cut_short": ([str(cut), "--data", str(data["no_test"])],
+                      f"cannot load the model in {cut}: its safetensors weights are damaged or "
+                      "cut short ("),
         "missing": ([str(tmp / "nowhere")], f"RUN_OR_MODEL_DIR {tmp / 'nowhere'} does not exist"),
         "file": ([str(tmp / "a_file")], f"RUN_OR_MODEL_DIR {tmp / 'a_file'} is not a "
                                         "directory"),
