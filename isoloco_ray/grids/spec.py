@@ -27,6 +27,8 @@ from isoloco_ray.config import (
 )
 from isoloco_ray.metrics import ROUND_METRICS, SUMMARY_METRICS
 
+# The most trials a grid file makes unless it sets max_trials: higher.
+MAX_TRIALS = 1000
 # The summary figures a grid may rank by (metrics.RunSummary's ranked fields).
 SummaryMetric = Literal[SUMMARY_METRICS]  # type: ignore[valid-type]
 FIELD_PATHS = field_paths(TrainConfig)
@@ -277,6 +279,9 @@ class GridFile(_Strict):
                                             "median on a per-round metric); default: none")
     search: SearchSpec | None = Field(None, description="propose samples around each trial "
                                       "with Optuna instead of running it once; default: none")
+    max_trials: int = Field(MAX_TRIALS, gt=0, description="the most trials the grid and trials "
+                            "may make together (counted before they are built); raise it for "
+                            "a larger grid")
 
     @field_validator("name")
     @classmethod
@@ -290,7 +295,25 @@ class GridFile(_Strict):
             check_field_path(path)
             if not values:
                 raise ValueError(f"{path}: an empty list of values gives no trials")
+            for index, value in enumerate(values):
+                if value in values[:index]:  # == : 1 and 1.0 are one setting, as in a config
+                    raise ValueError(f"{path}: {value!r} is listed twice, which would run the "
+                                     "same trial twice; list each value once")
         return grid
+
+    @model_validator(mode="after")
+    def _count_trials(self) -> GridFile:
+        """Refuse a grid of more than max_trials trials from the axes' lengths alone, before
+        any trial is built (a product of 10⁷ would take minutes and gigabytes to list)."""
+        count = max(len(self.trials), 1) * math.prod(len(v) for v in self.grid.values())
+        if count > self.max_trials:
+            factors = [f"{path} {len(values)}" for path, values in self.grid.items()]
+            if len(self.trials) > 1:
+                factors.append(f"trials {len(self.trials)}")
+            raise ValueError(f"the grid makes {count:,} trials ({' × '.join(factors)}), more "
+                             f"than max_trials ({self.max_trials:,}): shorten an axis, or set "
+                             "max_trials: higher in the grid file")
+        return self
 
     @field_validator("trials")
     @classmethod

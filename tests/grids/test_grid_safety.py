@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -249,16 +250,16 @@ def test_dry_run_lists_paper_grids_without_their_data(tmp_path, capsys, monkeypa
 def test_dry_run_warns_once_per_data_dir_and_still_checks_data_that_is_there(
         tmp_path, small_dataset, capsys, no_ray):
     path = write_grid(tmp_path, small_dataset, grid={"data.path": [
-        str(tmp_path / "gone"), str(small_dataset), str(tmp_path / "gone")]})
+        str(tmp_path / "gone"), str(small_dataset)], "run.seed": [0, 1]})
     assert tune.main([str(path), "--dry-run"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(
-        f"warning: trials 0, 2 not checked against their data: data.path: {tmp_path / 'gone'} "
+        f"warning: trials 0-1 not checked against their data: data.path: {tmp_path / 'gone'} "
         "is not a prepared data directory")
     # The data that is there is checked: a config it cannot feed is still an error.
     assert tune.main([str(path), "--dry-run", "--scaling.replicas=256",
                       "--scaling.replicas_per_worker=2"]) == 2
-    assert "trial 1 (data.path=" in capsys.readouterr().err
+    assert "trial 2 (data.path=" in capsys.readouterr().err
 
 
 def test_an_unwritable_grid_directory_exits_2_before_ray(small_dataset, tmp_path, capsys,
@@ -272,3 +273,31 @@ def test_an_unwritable_grid_directory_exits_2_before_ray(small_dataset, tmp_path
     status = tune.main([str(grid), f"--run.storage_path={tmp_path / 'file' / 'runs'}"])
     assert status == 2
     assert "run.storage_path: cannot write to" in capsys.readouterr().err
+
+
+def test_a_huge_grid_is_refused_from_its_axes_alone_and_a_repeated_value_is_refused(
+        tmp_path, small_dataset, capsys, no_ray):
+    """10⁷ trials are counted, not built: one line naming the axes that multiply and the
+    setting that raises the cap, at once (it took 30 s and 8.8 GB before printing nothing);
+    a value listed twice in an axis would run one trial twice: refused, naming it."""
+    axis = [round(1e-4 * (i + 1), 8) for i in range(100)]
+    path = write_grid(tmp_path, small_dataset,
+                      grid={"inner.lr": axis, "outer.lr": axis, "inner.warmup": axis[:10],
+                            "run.seed": list(range(100))})
+    started = time.monotonic()
+    assert tune.main([str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert time.monotonic() - started < 10
+    assert err == (f"error: {path}: the grid makes 10,000,000 trials (inner.lr 100 × "
+                   "inner.warmup 10 × outer.lr 100 × run.seed 100), more than max_trials (1,000): "
+                   "shorten an axis, or set max_trials: higher in the grid file\n")
+    path = write_grid(tmp_path, small_dataset, grid={"run.seed": [0, 1]}, max_trials=1)
+    assert tune.main([str(path), "--dry-run"]) == 2
+    assert "the grid makes 2 trials (run.seed 2), more than max_trials (1)" in \
+        capsys.readouterr().err
+    path = write_grid(tmp_path, small_dataset, grid={"inner.lr": [0.001, 0.002, 0.001]})
+    assert tune.main([str(path), "--dry-run"]) == 2
+    assert capsys.readouterr().err == (f"error: {path}: grid: inner.lr: 0.001 is listed twice, "
+                                       "which would run the same trial twice; list each value "
+                                       "once\n")
+    assert not (tmp_path / "grids").exists()
