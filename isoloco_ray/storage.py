@@ -150,6 +150,25 @@ def check_writable(storage: str | os.PathLike[str], field: str = "run.storage_pa
     return path
 
 
+def check_could_write(storage: str | os.PathLike[str], field: str = "run.storage_path") -> None:
+    """check_writable for a dry run, which writes nothing: the nearest existing place on the
+    way to `storage` must be a directory this process may write into (object storage is
+    checked only by the real run)."""
+    check_durable(storage, field)
+    path = location(storage, field)
+    if not isinstance(path, Path):
+        return
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    why = (f"{existing} is not a directory" if not existing.is_dir() else
+           f"{existing}: permission denied" if not os.access(existing, os.W_OK | os.X_OK)
+           else None)
+    if why is not None:
+        raise ConfigError(f"{field}: cannot write to {path} ({why}); choose a writable "
+                          "directory (or a bucket these credentials may write)")
+
+
 def run_directory(storage_path: str | os.PathLike[str], name: str) -> UPath:
     """A run's directory: `name` under `run.storage_path`."""
     return location(storage_path) / name

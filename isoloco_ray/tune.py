@@ -50,7 +50,7 @@ from isoloco_ray.grids.trainable import run_trial, trial_name, trial_space
 from isoloco_ray.report import print_report, write_report
 from isoloco_ray.env_settings import read_env
 from isoloco_ray.run_records import ReportError, RunRecord
-from isoloco_ray.storage import check_writable
+from isoloco_ray.storage import check_could_write, check_writable
 
 
 def run_grid(plan: GridPlan, max_concurrent: int | None, resume: bool) -> int:
@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     if args.dry_run:
         try:
+            check_could_write(plan.grid_dir.parent)  # what the run checks, writing nothing
             print_plan(plan)
         except ConfigError as exc:  # a search's first proposal is not a valid config
             print(f"error: {exc}", file=sys.stderr)

@@ -301,3 +301,21 @@ def test_a_huge_grid_is_refused_from_its_axes_alone_and_a_repeated_value_is_refu
                                        "which would run the same trial twice; list each value "
                                        "once\n")
     assert not (tmp_path / "grids").exists()
+
+
+def test_a_dry_run_refuses_a_storage_path_the_run_would_refuse_and_writes_nothing(
+        tmp_path, small_dataset, capsys, no_ray):
+    """--dry-run checks what the run checks: a run.storage_path that is a file (or under
+    one) is one error line, exit 2, as the real run's, and the dry run creates nothing."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    path = write_grid(tmp_path, small_dataset, grid={"run.seed": [0, 1]})
+    for storage in (a_file, a_file / "below"):
+        assert tune.main([str(path), "--dry-run", f"--run.storage_path={storage}"]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"error: run.storage_path: cannot write to {storage} ({a_file} is not a "
+            "directory); choose a writable directory (or a bucket these credentials may "
+            "write)")
+    assert tune.main([str(path), "--dry-run", f"--run.storage_path={tmp_path / 'new' / 'x'}"]) \
+        == 0
+    assert not (tmp_path / "new").exists()
