@@ -49,6 +49,30 @@ def joined_cluster() -> bool:
     return bool(os.environ.get("RAY_ADDRESS"))
 
 
+# How long RAY_ADDRESS's host may take to accept a connection before the run is refused
+# (Ray's own reconnect loop would go on for minutes).
+ADDRESS_CHECK_SECONDS = 5.0
+
+
+def unreachable_ray_address(timeout: float = ADDRESS_CHECK_SECONDS) -> str | None:
+    """Why the cluster RAY_ADDRESS names does not answer (nothing accepts a connection at its
+    host and port within `timeout`), or None: it answers, or it names no port to try
+    (`auto`, `local`)."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    target = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return None
+    except OSError as exc:
+        why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        return (f"RAY_ADDRESS={address!r}: nothing answers at {host}:{port} ({why}, "
+                f"{timeout:g} s); start the cluster there (ray start --head), fix the address, "
+                "or unset RAY_ADDRESS to start a local cluster")
+
+
 def start_local_cluster(num_cpus: int, **kwargs: Any) -> None:
     """`ray.init` a new single-node cluster on 127.0.0.1 only, with QUIET_INIT's settings;
     kwargs go to `ray.init` and override those. Raises RuntimeError (after shutting Ray down

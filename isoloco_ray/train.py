@@ -22,7 +22,7 @@ from isoloco_ray.driver import RunFailed, check_run_dir, run_once, saved_config
 from isoloco_ray.env_settings import read_env
 from isoloco_ray.fault_tolerance import (absence_note, check_torchft_available,
                                          exposure_note)
-from isoloco_ray.local_ray import joined_cluster
+from isoloco_ray.local_ray import joined_cluster, unreachable_ray_address
 from isoloco_ray.storage import check_writable, hold_run
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
 
@@ -132,8 +132,16 @@ def _join_or_start_ray(cfg: TrainConfig, dashboard: bool) -> None:
     for key, value in QUIET_RAY_ENV.items():
         os.environ.setdefault(key, value)
     if joined_cluster() and not ray.is_initialized():
+        unreachable = unreachable_ray_address()
+        if unreachable is not None:  # Ray would retry for minutes
+            raise ConfigError(unreachable)
         # A real cluster may autoscale: its CPUs now say nothing about what it can run.
-        ray.init(log_to_driver=False, logging_level="ERROR")
+        try:
+            ray.init(log_to_driver=False, logging_level="ERROR")
+        except ConnectionError as exc:  # something answered there, but not a Ray cluster
+            raise ConfigError(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']!r}: {exc}; start the "
+                              "cluster there (ray start --head), fix the address, or unset "
+                              "RAY_ADDRESS to start a local cluster") from None
         return
     if not joined_cluster():
         for key, value in LOCAL_TRAIN_ENV.items():

@@ -155,3 +155,32 @@ dist.destroy_process_group()
                           text=True, timeout=120, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "none", done.stdout
+
+
+def test_a_ray_address_where_nothing_answers_is_refused_at_once(monkeypatch, small_dataset,
+                                                               tmp_path, capsys):
+    """RAY_ADDRESS naming a port where nothing listens: one error line naming the address,
+    exit 2, within seconds (Ray's reconnect loop ran for minutes); an address that answers,
+    or one with no port (auto), is left to Ray."""
+    from isoloco_ray import train
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]  # closed again: nothing listens there
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port}")
+    assert local_ray.unreachable_ray_address() == (
+        f"RAY_ADDRESS='127.0.0.1:{free_port}': nothing answers at 127.0.0.1:{free_port} "
+        "(Connection refused, 5 s); start the cluster there (ray start --head), fix the "
+        "address, or unset RAY_ADDRESS to start a local cluster")
+    assert train.main(["--model.preset=tiny", f"--data.path={small_dataset}",
+                       "--data.seq_len=64", f"--run.storage_path={tmp_path}"]) == 2
+    err = capsys.readouterr().err.splitlines()  # after the dataset's one-time verification
+    assert err[-1].startswith(f"error: RAY_ADDRESS='127.0.0.1:{free_port}': nothing answers")
+    assert not any(line.startswith("Traceback") for line in err)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{listening.getsockname()[1]}")
+        assert local_ray.unreachable_ray_address() is None
+    monkeypatch.setenv("RAY_ADDRESS", "auto")
+    assert local_ray.unreachable_ray_address() is None
