@@ -224,7 +224,9 @@ def write_report(directory: Path, report: Report | None = None) -> tuple[Report,
 
 
 def print_report(report: Report, written: Written) -> None:
-    """The table and the paths of the files, on stdout."""
+    """The table and the paths of the files, on stdout; each run left out, on stderr."""
+    for why in report.skipped:
+        print(f"skipped: {why}", file=sys.stderr)
     print(markdown_table(report))
     for run in report.runs:
         if run.status == "failed":

@@ -111,6 +111,7 @@ class Report:
     varied: list[str]  # dotted config fields shown as columns
     metric: str = "final_eval_loss"
     mode: str = "min"
+    skipped: list[str] = field(default_factory=list)  # why each unreadable run was left out
 
     def ranked(self) -> list[RunRecord]:
         """Runs best first; then runs without the metric, then diverged runs and runs whose
@@ -138,19 +139,38 @@ def _read_json(path: Path) -> Any:
         raise ReportError(f"cannot read {path}: {exc}") from None
 
 
+def _read_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in `path`; ReportError naming the file when it is not one."""
+    value = _read_json(path)
+    if not isinstance(value, dict):
+        raise ReportError(f"{path}: not {what} (a JSON {type(value).__name__}, not an object)")
+    return value
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """metrics.jsonl, one entry per round: a run restarted from an earlier point appended its
-    rounds again, and the latest report of a round wins. A torn last line is skipped."""
+    rounds again, and the latest report of a round wins. A torn line is skipped; a line that
+    is not a round's record (an object with an integer round and tokens) is a ReportError
+    naming the file and the line."""
     by_round: dict[int, dict[str, Any]] = {}
     if not path.is_file():
         return []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
             metrics = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not (isinstance(metrics, dict) and _count(metrics.get("round"))
+                and _count(metrics.get("tokens"))):
+            raise ReportError(f"{path}: line {number} is not a round's record (an object with "
+                              "an integer round and tokens)")
         by_round[metrics["round"]] = metrics
     return [by_round[r] for r in sorted(by_round)]
+
+
+def _count(value: Any) -> bool:
+    """Whether `value` is a whole number ≥ 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def last_error_line(error: str) -> str:
@@ -164,13 +184,17 @@ def load_run(run_dir: Path, name: str | None = None,
     """The record of one run directory (which may not exist yet: a pending trial)."""
     run = RunRecord(name=name or run_dir.name, run_dir=run_dir, overrides=overrides or {})
     if (run_dir / run_files.CONFIG).is_file():
-        run.config = _read_json(run_dir / run_files.CONFIG)
+        run.config = _read_object(run_dir / run_files.CONFIG, "a run's config.json")
+        outer = run.config.get("outer")
+        if not (isinstance(outer, dict) and isinstance(outer.get("strategy"), str)):
+            raise ReportError(f"{run_dir / run_files.CONFIG}: not a run's config.json (it has "
+                              "no outer.strategy)")
     if (run_dir / run_files.SUMMARY).is_file():
-        run.summary = _read_json(run_dir / run_files.SUMMARY)
+        run.summary = _read_object(run_dir / run_files.SUMMARY, "a run's summary.json")
     if (run_dir / run_files.ERROR).is_file():
         run.error = (run_dir / run_files.ERROR).read_text()
     if (run_dir / run_files.STOPPED).is_file():
-        run.stopped = _read_json(run_dir / run_files.STOPPED)
+        run.stopped = _read_object(run_dir / run_files.STOPPED, "a run's stopped.json")
     run.metrics = read_metrics(run_dir / run_files.METRICS)
     return run
 
@@ -199,26 +223,57 @@ def load_report(directory: Path) -> Report:
         raise ReportError(f"{directory} is a file, not a directory; give the directory that "
                           "holds it (a grid directory, a run directory or a directory of runs)")
     if (directory / run_files.GRID).is_file():
-        grid = _read_json(directory / run_files.GRID)
-        for trial in grid["trials"]:  # each names a directory under runs/, nothing outside
-            try:
-                check_name(trial["name"], f"{directory / run_files.GRID}: trial name")
-            except ValueError as exc:
-                raise ReportError(str(exc)) from None
-        runs = [load_run(directory / run_files.RUNS / t["name"], t["name"], t.get("overrides"))
-                for t in grid["trials"]]
-        for run, trial in zip(runs, grid["trials"]):
-            run.planned_strategy = trial.get("strategy")
+        grid = _read_grid(directory / run_files.GRID)
+        runs, skipped = _load_runs([(directory / run_files.RUNS / t["name"], t)
+                                    for t in grid["trials"]], directory)
         varied = list(dict.fromkeys(k for t in grid["trials"] for k in t.get("overrides", {})
                                     if k not in _IGNORED_FIELDS))
         return Report(f"grid {grid['name']}", runs, varied, grid.get("metric", "final_eval_loss"),
-                      grid.get("mode", "min"))
+                      grid.get("mode", "min"), skipped)
     if is_run_dir(directory):
         return Report(f"run {directory.name}", [load_run(directory)], [])
-    runs = [load_run(path) for path in sorted(directory.iterdir())
-            if path.is_dir() and is_run_dir(path)]
-    if not runs:
-        raise ReportError(f"{directory} holds no runs (no config.json, metrics.jsonl or "
-                          "summary.json in it or its subdirectories)")
+    runs, skipped = _load_runs([(path, None) for path in sorted(directory.iterdir())
+                                if path.is_dir() and is_run_dir(path)], directory)
     return Report(f"runs in {directory.name}", runs,
-                  varied_fields([run.config for run in runs if run.config is not None]))
+                  varied_fields([run.config for run in runs if run.config is not None]),
+                  skipped=skipped)
+
+
+def _read_grid(path: Path) -> dict[str, Any]:
+    """grid.json, checked: an object with a name and trials, each naming a directory under
+    runs/ (nothing outside); ReportError naming the file otherwise."""
+    grid = _read_object(path, "a grid's grid.json")
+    trials = grid.get("trials")
+    if not (isinstance(grid.get("name"), str) and isinstance(trials, list)
+            and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                    and isinstance(t.get("overrides", {}), dict) for t in trials)):
+        raise ReportError(f"{path}: not a grid's grid.json (it needs a name and trials, each "
+                          "with a name)")
+    for trial in trials:
+        try:
+            check_name(trial["name"], f"{path}: trial name")
+        except ValueError as exc:
+            raise ReportError(str(exc)) from None
+    return grid
+
+
+def _load_runs(candidates: list[tuple[Path, dict[str, Any] | None]], directory: Path
+               ) -> tuple[list[RunRecord], list[str]]:
+    """The runs of `candidates` (a run directory, and its grid trial or None), and why each
+    run that cannot be read was skipped; ReportError when none is left."""
+    runs, skipped = [], []
+    for path, trial in candidates:
+        try:
+            run = (load_run(path) if trial is None
+                   else load_run(path, trial["name"], trial.get("overrides")))
+        except ReportError as exc:
+            skipped.append(str(exc))
+            continue
+        if trial is not None:
+            run.planned_strategy = trial.get("strategy")
+        runs.append(run)
+    if not runs:
+        why = f": {'; '.join(skipped)}" if skipped else ""
+        raise ReportError(f"{directory} holds no runs that can be read (no config.json, "
+                          f"metrics.jsonl or summary.json in it or its subdirectories{why})")
+    return runs, skipped

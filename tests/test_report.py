@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,40 @@ def test_a_report_never_replaces_a_file_it_did_not_write_nor_writes_through_a_li
     assert report.main([str(run_dir)]) == 2
     assert "holds results.csv," in capsys.readouterr().err
     assert (run_dir / "results.csv").read_text() == "edited\n"
+
+
+def test_runs_whose_files_are_not_a_runs_are_skipped_with_one_line_each(tmp_path, capsys):
+    """A directory of runs where one has a foreign config.json, one a metrics.jsonl line that
+    is a list and one a line without tokens: each is skipped with one line naming its file,
+    the others reported; with nothing left, one error line. A grid.json that is a list is one
+    error line. Never a traceback."""
+    write_run(tmp_path / "good", ["--outer.strategy=isoc"], [6.0, 5.1])
+    write_run(tmp_path / "foreign", [], [6.0, 5.0])
+    (tmp_path / "foreign" / "config.json").write_text('{"hello": 1}')
+    write_run(tmp_path / "listed", [], [6.0, 5.0])
+    with (tmp_path / "listed" / "metrics.jsonl").open("w") as out:
+        out.write('{"round": 0, "tokens": 0}\n[1, 2]\n')
+    write_run(tmp_path / "tokenless", [], [6.0, 5.0])
+    (tmp_path / "tokenless" / "metrics.jsonl").write_text('{"round": 0}\n')
+    assert report.main([str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"skipped: {tmp_path / 'foreign' / 'config.json'}: not a run's config.json (it has no "
+        "outer.strategy)",
+        f"skipped: {tmp_path / 'listed' / 'metrics.jsonl'}: line 2 is not a round's record (an "
+        "object with an integer round and tokens)",
+        f"skipped: {tmp_path / 'tokenless' / 'metrics.jsonl'}: line 1 is not a round's record "
+        "(an object with an integer round and tokens)"]
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [r["trial"] for r in rows] == ["good"]
+    shutil.rmtree(tmp_path / "good")
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path} holds no runs that can be read") and \
+        err.count("\n") == 1 and "Traceback" not in err
+    grid = tmp_path / "grid"
+    grid.mkdir()
+    (grid / "grid.json").write_text("[]")
+    assert report.main([str(grid)]) == 2
+    assert capsys.readouterr().err == (f"error: {grid / 'grid.json'}: not a grid's grid.json (a "
+                                       "JSON list, not an object)\n")

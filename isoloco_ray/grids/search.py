@@ -14,7 +14,7 @@ from isoloco_ray.grids.plan import GridPlan, trial_entry
 from isoloco_ray.grids.resume import run_is_over
 from isoloco_ray.grids.trainable import trial_space
 from isoloco_ray.own_files import replace_file
-from isoloco_ray.run_records import finite, last_error_line, load_run
+from isoloco_ray.run_records import ReportError, finite, last_error_line, load_run
 
 # Proposals of each grid point's searcher drawn at random (seeded) before TPE models the
 # results (Optuna's default, named so that --dry-run can say which proposals are fixed).
@@ -139,8 +139,12 @@ def search_outcome(run_dir: Path, metric: str) -> tuple[float | None, str]:
     """What a search learns from a trial, from its run's own files (as the report ranks it):
     (the metric, "complete") for a finished run; (None, "pruned") for one that diverged,
     was stopped early or did not finish, which TPE counts as worse than every finished one;
-    (None, "fail") for a failed one, which TPE leaves out."""
-    run = load_run(run_dir)
+    (None, "fail") for a failed one, or one whose files cannot be read, which TPE leaves
+    out."""
+    try:
+        run = load_run(run_dir)
+    except ReportError:
+        return None, "fail"
     value = finite(run.value(metric)) if run.status == "done" else None
     if value is not None:
         return value, "complete"
