@@ -87,7 +87,12 @@ def export_model(model: PreTrainedModel, data_dir: Any, out_dir: Any,
 
 def refuse_foreign(out_dir: Any) -> None:
     """ExportError when `out_dir` is a file, or a directory holding files an export does not
-    write."""
+    write, or a symbolic link (never followed: an earlier export is replaced by removing it,
+    which would empty the link's target)."""
+    if isinstance(out_dir, Path) and out_dir.is_symlink():
+        raise ExportError(f"{out_dir} is a symbolic link, not the model directory this run "
+                          "writes; remove the link, then run the same command again to export "
+                          "the model (the run's checkpoints are kept)")
     if not out_dir.exists():
         return
     if not out_dir.is_dir():

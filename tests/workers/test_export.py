@@ -47,6 +47,15 @@ def test_a_file_or_foreign_files_in_the_way_are_refused_and_kept(model, small_da
         export_model(model, small_dataset, in_the_way)
     assert [p.name for p in in_the_way.iterdir()] == ["results.csv"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging left
+    # A link planted where the model goes, to an earlier export elsewhere: never followed.
+    elsewhere = tmp_path / "elsewhere"
+    export_model(model, small_dataset, elsewhere)
+    before = sorted(p.name for p in elsewhere.iterdir())
+    linked = tmp_path / "linked"
+    linked.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(ExportError, match=rf"^{linked} is a symbolic link, not the model "):
+        export_model(model, small_dataset, linked)
+    assert linked.is_symlink() and sorted(p.name for p in elsewhere.iterdir()) == before
 
 
 def test_an_export_that_reads_back_wrong_is_refused_and_the_old_one_kept(model, small_dataset,
