@@ -162,8 +162,12 @@ def test_a_ray_address_where_nothing_answers_is_refused_at_once(monkeypatch, sma
     """RAY_ADDRESS naming a port where nothing listens: one error line naming the address,
     exit 2, within seconds (Ray's reconnect loop ran for minutes); an address that answers,
     or one with no port (auto), is left to Ray."""
+    import ray
+
     from isoloco_ray import train
 
+    # As in a fresh process (the suite may hold a cluster of its own): never joined here.
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         free_port = probe.getsockname()[1]  # closed again: nothing listens there

@@ -375,6 +375,26 @@ class Lost(Exception):
     """A worker's death, in a test."""
 
 
+def replaced(lost, died: threading.Event, build: Callable[[], Any],
+             built: threading.Event | None = None):
+    """(run `lost` until it dies, build its replacement once `died` is set, setting `built`,
+    and run it, the replacement once built: a list): the threads of a lost worker."""
+    replacement: list[Any] = []
+
+    def lost_worker() -> None:
+        with pytest.raises(Lost):
+            lost.run()
+
+    def replace() -> dict:
+        assert died.wait(60)
+        replacement.append(build())
+        if built is not None:
+            built.set()
+        return replacement[0].run()
+
+    return lost_worker, replace, replacement
+
+
 def test_a_lost_trainer_is_replaced_and_the_run_goes_on_as_the_plain_loop_over_its_quorums(
         lighthouse, small_dataset):
     """Worker 1 of 3 dies mid-round 2 (after one of its replicas' inner steps): the others'
@@ -402,17 +422,7 @@ def test_a_lost_trainer_is_replaced_and_the_run_goes_on_as_the_plain_loop_over_i
             raise Lost
 
     trainers = [worker(0), worker(1, after_replica=die), worker(2)]
-    replacement: list[Trainer] = []
-
-    def lost_worker() -> None:
-        with pytest.raises(Lost):
-            trainers[1].run()
-
-    def replace() -> dict:
-        assert died.wait(60)
-        replacement.append(worker(1))
-        return replacement[0].run()
-
+    lost_worker, replace, replacement = replaced(trainers[1], died, lambda: worker(1))
     try:
         summary_0, _, summary_2, summary_1 = in_threads(
             trainers[0].run, lost_worker, trainers[2].run, replace, timeout=120)
@@ -475,18 +485,8 @@ def test_rank_0_lost_in_the_last_round_loses_no_record_and_a_random_mask_merge_s
 
     trainers = [worker(0, "0", die), worker(1, "1", wait_for_replacement),
                 worker(2, "2", wait_for_replacement)]
-    replacement: list[Trainer] = []
-
-    def lost_worker() -> None:
-        with pytest.raises(Lost):
-            trainers[0].run()
-
-    def replace() -> dict:
-        assert died.wait(60)
-        replacement.append(worker(0, "0 again"))
-        replacement_built.set()
-        return replacement[0].run()
-
+    lost_worker, replace, replacement = replaced(trainers[0], died, lambda: worker(0, "0 again"),
+                                                 built=replacement_built)
     try:
         _, summary_1, summary_2, summary_0 = in_threads(
             lost_worker, trainers[1].run, trainers[2].run, replace, timeout=120)
