@@ -52,6 +52,9 @@ def joined_cluster() -> bool:
 # How long RAY_ADDRESS's host may take to accept a connection before the run is refused
 # (Ray's own reconnect loop would go on for minutes).
 ADDRESS_CHECK_SECONDS = 5.0
+# What to do about a RAY_ADDRESS that names no Ray cluster.
+RAY_ADDRESS_FIX = ("start the cluster there (ray start --head), fix the address, or unset "
+                   "RAY_ADDRESS to start a local cluster")
 
 
 def unreachable_ray_address(timeout: float = ADDRESS_CHECK_SECONDS) -> str | None:
@@ -69,8 +72,7 @@ def unreachable_ray_address(timeout: float = ADDRESS_CHECK_SECONDS) -> str | Non
     except OSError as exc:
         why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
         return (f"RAY_ADDRESS={address!r}: nothing answers at {host}:{port} ({why}, "
-                f"{timeout:g} s); start the cluster there (ray start --head), fix the address, "
-                "or unset RAY_ADDRESS to start a local cluster")
+                f"{timeout:g} s); {RAY_ADDRESS_FIX}")
 
 
 def start_local_cluster(num_cpus: int, **kwargs: Any) -> None:

@@ -2,7 +2,7 @@
 at their names is never followed (issue 47): each file is written whole into a temporary file
 beside it, created exclusively and never through a link, then renamed over the name, so a
 symbolic link planted there is replaced, not written through, and a reader never sees half a
-file. And a file the project did not write is never replaced (`refuse_foreign`): what it wrote
+file. And a file the project did not write is never replaced (`foreign_files`): what it wrote
 into a directory is listed, with each file's sha256, in the directory's `OWN_LIST`.
 
 On object storage (a remote UPath) there are no links and one upload is all or nothing: the
@@ -66,7 +66,7 @@ def foreign_files(directory: Any, names: Iterable[str]) -> list[str]:
 
 def write_own(directory: Any, files: Mapping[str, bytes | str]) -> None:
     """Write `files` (name -> content) into `directory` with `replace_file` and list them in
-    its OWN_LIST; refuse_foreign first, if files there must not be replaced."""
+    its OWN_LIST; ask `foreign_files` first where files there must not be replaced."""
     own = _own_list(directory)
     for name, data in files.items():
         raw = data.encode() if isinstance(data, str) else data

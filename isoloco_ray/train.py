@@ -22,7 +22,7 @@ from isoloco_ray.driver import RunFailed, check_run_dir, run_once, saved_config
 from isoloco_ray.env_settings import read_env
 from isoloco_ray.fault_tolerance import (absence_note, check_torchft_available,
                                          exposure_note)
-from isoloco_ray.local_ray import joined_cluster, unreachable_ray_address
+from isoloco_ray.local_ray import RAY_ADDRESS_FIX, joined_cluster, unreachable_ray_address
 from isoloco_ray.storage import check_writable, hold_run
 from isoloco_ray.wandb_log import RunLogger, check_wandb_available
 
@@ -139,9 +139,8 @@ def _join_or_start_ray(cfg: TrainConfig, dashboard: bool) -> None:
         try:
             ray.init(log_to_driver=False, logging_level="ERROR")
         except ConnectionError as exc:  # something answered there, but not a Ray cluster
-            raise ConfigError(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']!r}: {exc}; start the "
-                              "cluster there (ray start --head), fix the address, or unset "
-                              "RAY_ADDRESS to start a local cluster") from None
+            raise ConfigError(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']!r}: {exc}; "
+                              f"{RAY_ADDRESS_FIX}") from None
         return
     if not joined_cluster():
         for key, value in LOCAL_TRAIN_ENV.items():

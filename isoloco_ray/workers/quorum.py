@@ -222,7 +222,7 @@ class QuorumSeat:
         if self.manager.errored() is not None:
             return None
         ranks = [int(row[0]) for row in header]
-        for rank, row in sorted(zip(ranks, header), key=lambda pair: pair[0]):
+        for _, row in sorted(zip(ranks, header), key=lambda pair: pair[0]):  # lowest first
             if row[flags:].any():
                 raise TrainingStopped(bytes(int(b) for b in row[flags:] if b > 0)
                                       .decode(errors="replace"))

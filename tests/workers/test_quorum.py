@@ -352,11 +352,7 @@ def test_trainers_syncing_over_a_quorum_train_as_the_plain_loop_over_quorums(lig
                                report=lambda metrics, _, writer, rank=rank:
                                report(rank, metrics, writer))
                 for rank in range(3)]
-    try:
-        summaries = in_threads(*[trainer.run for trainer in trainers], timeout=120)
-    finally:
-        for trainer in trainers:
-            trainer.env.seat.shutdown()
+    summaries = run_seated(trainers)
     expected = plain_loop.run_over_quorums(cfg, small_dataset, [[0, 1, 2]] * cfg.run.rounds)
     for trainer in trainers:
         for name, value in expected.items():
@@ -531,11 +527,7 @@ def test_a_worker_that_falls_behind_alive_is_healed_and_rejoins_where_the_round_
                                report=lambda m, _, writer: writer and records.append(m),
                                after_replica=stall if rank == 2 else pace)
                 for rank in range(3)]
-    try:
-        in_threads(*[trainer.run for trainer in trainers], timeout=120)
-    finally:
-        for trainer in trainers:
-            trainer.env.seat.shutdown()
+    run_seated(trainers)
     rounds = sorted((m for m in records if m["round"] > 0), key=lambda m: m["round"])
     assert [m["round"] for m in rounds] == [1, 2, 3, 4, 5, 6]
     contributors = [m["contributors"] for m in rounds]
@@ -571,24 +563,14 @@ def test_a_data_error_on_one_worker_stops_every_worker_with_its_message(lighthou
                                after_replica=after_round_1 if rank == 2 else None,
                                read_rows=read_rows if rank == 2 else None)
                 for rank in range(3)]
-    try:
-        summaries = in_threads(*[trainer.run for trainer in trainers], timeout=120)
-    finally:
-        for trainer in trainers:
-            trainer.env.seat.shutdown()
+    summaries = run_seated(trainers)
     errors = {summary.get("error") for summary in summaries}
     assert len(errors) == 1, summaries
     (error,) = errors
     assert error.startswith("worker 2 in round ") and error.endswith(
         ": train/part-00001.parquet: token id 99999 >= vocabulary 384"), error
     assert len({summary["rounds"] for summary in summaries}) == 1
-    assert len({checkpoint_sha(trainer) for trainer in trainers}) == 1
-
-
-def checkpoint_sha(trainer) -> str:
-    from isoloco_ray.workers import checkpoint
-
-    return checkpoint.parameters_sha256(trainer.global_params)
+    assert len({parameters_sha256(trainer) for trainer in trainers}) == 1
 
 
 def test_a_seat_listens_outside_loopback_only_where_torchft_gives_no_choice(lighthouse,
@@ -688,12 +670,23 @@ def test_a_replica_run_without_failures_is_the_restart_run_of_its_layout(lightho
 
 def seated_run(cfg, data_dir, lighthouse: str) -> list[str]:
     """Each worker's final parameters' sha256 after 3 seated Trainers ran `cfg`, nobody lost."""
-    from isoloco_ray.workers import checkpoint
-
     trainers = [seated_trainer(cfg, data_dir, rank, lighthouse) for rank in range(3)]
+    run_seated(trainers)
+    return [parameters_sha256(trainer) for trainer in trainers]
+
+
+def run_seated(trainers: list) -> list[dict]:
+    """Each Trainer's `run` on a thread of its own; their summaries. Their seats are shut
+    down afterwards, however the runs ended."""
     try:
-        in_threads(*[trainer.run for trainer in trainers], timeout=120)
+        return in_threads(*[trainer.run for trainer in trainers], timeout=120)
     finally:
         for trainer in trainers:
             trainer.env.seat.shutdown()
-    return [checkpoint.parameters_sha256(trainer.global_params) for trainer in trainers]
+
+
+def parameters_sha256(trainer) -> str:
+    """The sha256 of a Trainer's global parameters."""
+    from isoloco_ray.workers import checkpoint
+
+    return checkpoint.parameters_sha256(trainer.global_params)
