@@ -19,9 +19,17 @@ joined). The seat
 3. gathers every worker's payload (an all-gather, not a sum: gloo would add in an order of its
    own, which a plain reference loop could not reproduce; each worker adds the contributors'
    payloads in rank order instead);
-4. commits only if every participant got everything (`Manager.should_commit`). A failure in
-   steps 1-3 (a peer died) makes every survivor's `should_commit` False: the seat starts a new
-   quorum with the survivors and the same contribution, so no inner step is redone.
+4. votes: a one-number sum over the quorum of whether each participant got every payload,
+   and commits only if that sum is complete and counts everyone (then `Manager.should_commit`).
+   torchft decides `should_commit` per replica group, that is per worker here, so without the
+   vote a collective that failed on one survivor only would let the others commit a round it
+   drops: with 5 or more workers, a majority of such survivors could then commit the round
+   again without them, into another θ. A failure in steps 1-4 (a peer died, or one worker
+   missed a payload) makes the vote fail or fall short on every survivor: each starts a new
+   quorum with the survivors and the same contribution, so no inner step is redone. Only a
+   peer lost inside the vote itself, a few bytes long, can still split the decision; then the
+   workers that committed are a step ahead and heal the others at the next quorum, and
+   workers that committed different θ at the same step meet the fingerprint check there.
 
 Workers joining at a start sync with no Δ, again and again while each of them would rather
 wait for workers still missing (`again`); those repeats are not committed, and the sync that
@@ -242,7 +250,7 @@ class QuorumSeat:
         payload = (contribution.payload if contribution is not None
                    else torch.zeros(self.numel, dtype=torch.float32))
         gathered = self._all_gather(payload, size)
-        if gathered is None:
+        if not self._everyone_got_everything(gathered is not None, size) or gathered is None:
             return None
         order = sorted(range(size), key=lambda i: ranks[i])
         contributors = [i for i in order if brings[i]]
@@ -268,6 +276,32 @@ class QuorumSeat:
         work = self._pg.allgather([outputs], [payload], AllgatherOptions())
         self.manager.wrap_future(work.get_future(), default=None).wait()
         return None if self.manager.errored() is not None else outputs
+
+    def _everyone_got_everything(self, got: bool, size: int) -> bool:
+        """The commit vote (step 4 of the module's docstring): whether every participant got
+        every payload. Through the process group itself, not the Manager, which skips its
+        collectives once errored: a participant that missed a payload still votes, so the
+        others learn it at once instead of after `timeout`. False has the Manager record why,
+        so that `should_commit` is False on every participant."""
+        from torch.distributed.distributed_c10d import AllreduceOptions
+        from torchft.process_group import ReduceOp
+
+        vote = torch.tensor([float(got)], dtype=torch.float64)
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp.SUM
+        try:
+            work = self._pg.allreduce([vote], options)
+        except Exception as exc:  # noqa: BLE001 - recorded: the sync is not committed
+            self.manager.report_error(exc)
+            return False
+        if self.manager.wrap_future(work.get_future(), default=None).wait() is None:
+            return False  # the vote failed here (a peer lost): recorded by wrap_future
+        if int(vote.item()) != size:
+            if self.manager.errored() is None:
+                self.manager.report_error(RuntimeError(
+                    f"{size - int(vote.item())} participant(s) of the quorum missed a payload"))
+            return False
+        return True
 
     def shutdown(self) -> None:
         """Leave: stop heartbeats and the Manager's server, and drop the process group, whose

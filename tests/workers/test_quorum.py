@@ -22,6 +22,7 @@ from torchft._torchft import LighthouseServer  # noqa: E402
 
 from isoloco_ray import aggregators  # noqa: E402
 from isoloco_ray.config import load_config  # noqa: E402
+from isoloco_ray.fault_tolerance import min_quorum  # noqa: E402
 from isoloco_ray.strategies import OuterMerge  # noqa: E402
 from isoloco_ray.workers.outer.step import OuterSync  # noqa: E402
 from isoloco_ray.workers.quorum import (CommittedSync, Contribution, QuorumSeat,  # noqa: E402
@@ -42,11 +43,12 @@ def lighthouse():
 class Worker:
     """A seat and the state a peer would heal it with (θ, and the committed rounds)."""
 
-    def __init__(self, rank: int, lighthouse: str, fingerprint=None) -> None:
+    def __init__(self, rank: int, lighthouse: str, fingerprint=None, workers: int = 3) -> None:
         self.rank = rank
         self.theta = torch.zeros(NUMEL)
-        self.seat = QuorumSeat(rank, 3, REPLICAS, NUMEL, lighthouse, self.state_dict,
-                               self.load_state_dict, min_workers=2,
+        self.seat = QuorumSeat(rank, workers, HOSTED * workers, NUMEL, lighthouse,
+                               self.state_dict, self.load_state_dict,
+                               min_workers=min_quorum(workers),
                                # A dead peer fails a collective within this (at once, mostly).
                                timeout=timedelta(seconds=5),
                                quorum_timeout=timedelta(seconds=60), fingerprint=fingerprint)
@@ -178,6 +180,47 @@ def test_a_worker_dying_inside_the_sync_costs_one_quorum_and_a_replacement_heals
     finally:
         for worker in workers + ([replacement] if replacement else []):
             worker.seat.shutdown()
+
+
+def test_a_payload_missed_by_one_of_five_workers_commits_the_round_nowhere():
+    """torchft decides should_commit per worker: here worker 3 alone misses a payload (its
+    all-gather fails; the others' completed). The vote makes that one decision: no worker
+    commits the first quorum, every one commits the second, with the same contributors and
+    the same sum. Without it, workers 0, 1, 2 and 4 would go on while worker 3 waits, alone
+    below the majority, for a quorum that never comes."""
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_quorum(5),
+                              join_timeout_ms=2000)
+    address = "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+    workers = [Worker(rank, address, workers=5) for rank in range(5)]
+    seat = workers[3].seat
+    gather, missed = seat._all_gather, []
+
+    def gather_missing_a_payload(payload: torch.Tensor, size: int):
+        gathered = gather(payload, size)  # completes on every worker
+        if not missed:
+            missed.append(True)
+            seat.manager.report_error(ConnectionResetError("a peer's payload did not arrive"))
+            return None
+        return gathered
+
+    seat._all_gather = gather_missing_a_payload
+    try:
+        given = [w.contribution(1) for w in workers]
+        results = in_threads(*[lambda w=w, c=c: w.seat.sync(c)
+                               for w, c in zip(workers, given)], timeout=40)
+        for worker, result in zip(workers, results):
+            assert result.attempts == 2, worker.rank
+            assert result.participants == result.contributors == [0, 1, 2, 3, 4]
+            worker.step(result)
+        assert all(torch.equal(w.theta, workers[0].theta) for w in workers)
+        assert torch.equal(workers[0].theta,
+                           -plain_mean(*(c.payload for c in given), good=10))
+        # The step each worker's torchft Manager counts is the same: nobody is ahead.
+        assert {w.seat.manager.current_step() for w in workers} == {1}
+    finally:
+        for worker in workers:
+            worker.seat.shutdown()
+        server.shutdown()
 
 
 SHAPES = {"w": (4, 3), "b": (5,)}
