@@ -2,6 +2,7 @@
 
     python benchmarks/chaos.py OUT_DIR [--failures 3] [--rounds 30] [--seed 0] [--json PATH]
         [--modes restart,replica] [--nodes] [train flags, e.g. --data.path=DIR]
+    python benchmarks/chaos.py OUT_DIR --soak [...]: the long replica-mode soak (soak.py)
 
 Three runs of one configuration (default: the demo model, R = 4 on 4 workers, H = 10; the demo
 data unless --data.path is given), each a `python -m isoloco_ray.train` process on its own
@@ -190,6 +191,11 @@ def figures(result: dict[str, Any], mode: str, injected: int,
 
 
 def main() -> None:
+    if "--soak" in sys.argv[1:]:
+        import soak  # benchmarks/soak.py, beside this script
+
+        soak.main([arg for arg in sys.argv[1:] if arg != "--soak"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--failures", type=int, default=3)

@@ -136,17 +136,17 @@ def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any
     `callbacks`: Ray Train callbacks (e.g. Tune's TuneReportCallback).
     """
     import ray.train
-    from ray.train.torch import TorchTrainer
 
+    from isoloco_ray.steady_cleaner import steady_trainer
     from isoloco_ray.workers.ray_entry import train_loop_per_worker
 
     joined = joined_cluster()
-    return TorchTrainer(
+    return steady_trainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.model_dump(mode="json"), "data_dir": str(data_dir),
                            "run_dir": str(run_dir), "progress": progress,
                            "loopback": not joined, "ft_timeouts": timeouts(),
-                           # Test hook: see workers/ray_entry.py kill_once_hook.
+                           # Test hook: see workers/ray_entry.py fault_once_hook.
                            "kill_at": os.environ.get("ISOLOCO_RAY_KILL_AT")},
         torch_config=(torchft_backend(cfg, joined)
                       if cfg.scaling.fault_tolerance == "replica" else None),

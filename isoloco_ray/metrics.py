@@ -79,6 +79,7 @@ class RoundMetrics(_JsonRecord):
     missing_workers: list[int] | None = None
     sync_attempts: int | None = None
     quorum_wait_seconds: float | None = None
+    committed_at: float | None = None  # Unix time the writer saw the sync committed
 
     def progress_line(self, rounds: int, overlapped: bool = False) -> str:
         """The console's line for this round; with `overlapped` (outer.delay > 0) it adds how

@@ -15,12 +15,17 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 OWN_LIST = ".isoloco_ray_files.json"  # name -> sha256 of what the project wrote there
+
+
+class LinkRefused(OSError):
+    """A directory the project writes into is a symbolic link: never written through."""
 
 
 def replace_file(path: Any, data: bytes | str) -> None:
@@ -30,17 +35,50 @@ def replace_file(path: Any, data: bytes | str) -> None:
     if not isinstance(path, Path):
         path.write_bytes(raw)
         return
+    _replace_with(path, lambda out: out.write(raw))
+
+
+def copy_into(source: Path, directory: Path) -> None:
+    """Copy the files under local directory `source` into local `directory` (created), each
+    written as `replace_file` writes one, streamed: a link planted at a file's name is
+    replaced, never written through. Raises LinkRefused, naming it, when `directory` or a
+    folder under it is a symbolic link (its files would land wherever it points)."""
+    for folder, _, names in os.walk(source):
+        target = directory / Path(folder).relative_to(source)
+        if target.is_symlink():
+            raise LinkRefused(f"{target} is a symbolic link, not a directory this run wrote; "
+                              "remove it, then run the same command again")
+        target.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            with open(Path(folder) / name, "rb") as data:
+                _replace_with(target / name, lambda out, data=data: shutil.copyfileobj(data, out))
+
+
+def _replace_with(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """`write` into a temporary file beside `path`, created exclusively and never through a
+    link, then renamed over `path`."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o644)
     try:
         with os.fdopen(fd, "wb") as out:
-            out.write(raw)
+            write(out)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def links_under(directory: Path, shown: int = 5) -> list[str]:
+    """The symbolic links anywhere under local `directory` (relative paths, sorted, at most
+    `shown`; none followed): the project never makes one, so each was planted."""
+    found = []
+    for folder, folders, names in os.walk(directory):
+        for name in [*folders, *names]:
+            if os.path.islink(os.path.join(folder, name)):
+                found.append(os.path.relpath(os.path.join(folder, name), directory))
+    return sorted(found)[:shown]
 
 
 def foreign_files(directory: Any, names: Iterable[str]) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from upath import UPath
 
-from isoloco_ray import run_files
+from isoloco_ray import own_files, run_files
 from isoloco_ray.config import ConfigError
 from isoloco_ray.file_lock import LockHeld, LockRefused, exclusive
 
@@ -175,9 +175,16 @@ def run_directory(storage_path: str | os.PathLike[str], name: str) -> UPath:
 
 
 def upload_directory(local: Path, destination: str | os.PathLike[str]) -> None:
-    """Copy the files of local directory `local` into `destination` (any filesystem)."""
+    """Copy the files of local directory `local` into `destination` (any filesystem); on a
+    local one never through a symbolic link planted there (own_files.copy_into: LinkRefused
+    for a linked directory)."""
     import pyarrow.fs
 
+    if isinstance(destination, Path) or (not isinstance(destination, UPath)
+                                         and not is_uri(os.fspath(destination))):
+        # Not resolved: the last name may be a link, which copy_into refuses.
+        own_files.copy_into(local, Path(os.fspath(destination)).expanduser().absolute())
+        return
     filesystem, path = arrow_location(destination)
     filesystem.create_dir(path, recursive=True)
     pyarrow.fs.copy_files(str(local), path, source_filesystem=pyarrow.fs.LocalFileSystem(),
@@ -238,6 +245,13 @@ def hold_run(run_dir: UPath, field: str = "run.name") -> contextlib.ExitStack:
             f"{field}: {run_dir} is in use by another run ({held.who}); wait for it to end or "
             "choose another run.name. Its lock goes with that process: if it hangs, stop it "
             "(kill the pid on that host) and run this again") from None
+    planted = own_files.links_under(run_dir)
+    if planted:
+        stack.close()
+        raise ConfigError(
+            f"{field}: {run_dir} holds symbolic links, which a run never makes and would "
+            f"write through ({', '.join(planted)}): remove them, then run the same command "
+            "again")
     return stack
 
 

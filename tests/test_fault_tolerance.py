@@ -74,6 +74,62 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
     assert resumed["model_sha256"] == checkpoint.parameters_sha256(expected)
 
 
+def test_the_injected_pause_stops_the_whole_process_once_and_lets_it_go_on(tmp_path):
+    """benchmarks/soak.py's SIGSTOP fault (ray_entry.fault_once_hook): the process is stopped
+    (state T: its heartbeat threads too) for the given seconds, then continues; the marker
+    disarms it, so the same round and replica in a later worker pass; a SIGKILL fault kills."""
+    import subprocess
+    import sys
+
+    marker, killed = tmp_path / "paused", tmp_path / "killed"
+    child = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time\n"
+            "from isoloco_ray.workers.ray_entry import fault_once_hook\n"
+            f"hook = fault_once_hook('3:1:stop=1.5:{marker},4:0:{killed}')\n"
+            "hook(3, 0); hook(2, 1)\n"  # not armed: nothing happens
+            "print('ready', flush=True)\n"
+            "started = time.monotonic(); hook(3, 1); paused = time.monotonic() - started\n"
+            "started = time.monotonic(); hook(3, 1); again = time.monotonic() - started\n"
+            "print(f'{paused:.2f} {again:.2f}', flush=True)\n"
+            "hook(4, 0); print('not killed', flush=True)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        states = set()
+        for _ in range(100):
+            with open(f"/proc/{child.pid}/stat") as stat:
+                states.add(stat.read().rsplit(")", 1)[1].split()[0])
+            if "T" in states:
+                break
+            time.sleep(0.02)
+        assert "T" in states  # stopped, not sleeping
+        paused, again = map(float, child.stdout.readline().split())
+        assert 1.4 <= paused < 10 and again < 0.5 and marker.exists()
+        assert child.stdout.read() == "" and child.wait(30) == -9 and killed.exists()
+    finally:
+        child.kill()
+
+
+def test_a_checkpoint_folder_planted_as_a_link_during_a_run_stops_it_with_one_line(tmp_path):
+    """Replica mode's checkpoint folders are made while the run is live: one planted as a link
+    by then is never written through; the worker stops the run (TrainingStopped: one line in
+    the run's result) instead of failing into Ray Train's restarts."""
+    from isoloco_ray.workers.agreement import TrainingStopped
+    from isoloco_ray.workers.replica_mode import QuorumReports
+
+    files, elsewhere, run_dir = tmp_path / "files", tmp_path / "elsewhere", tmp_path / "run"
+    for folder in (files, elsewhere, run_dir):
+        folder.mkdir()
+    (files / "replica_0000.pt").write_bytes(b"weights")
+    linked = run_dir / "ftcheckpoint_000010"
+    linked.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(TrainingStopped, match=f"^{linked} is a symbolic link"):
+        QuorumReports(run_dir, None, keep=2, replicas=1)({"round": 10}, files, False)
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_a_worker_that_outlives_the_runs_result_is_made_to_exit(tmp_path):
     """A worker that hangs alive would keep Ray Train from ending the run: once any worker has
     written the result, one still running after the grace exits; one that ends in time is

@@ -134,3 +134,53 @@ def test_metrics_lines_are_never_appended_through_a_planted_link(tmp_path):
     append_line(metrics, '{"round": 1}')
     append_line(metrics, '{"round": 2}')
     assert metrics.read_text() == '{"round": 1}\n{"round": 2}\n'
+
+
+def test_a_run_directory_holding_a_planted_link_is_refused_before_anything_is_written(
+        tmp_path):
+    """A symbolic link anywhere in a run's directory (a checkpoint folder, Ray Train's or
+    replica mode's, or a file a run rewrites) is planted: a run never makes one, and would
+    write through it. The run is refused with one line naming it; nothing touched."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (run_dir / "ftcheckpoint_000010").mkdir(parents=True)
+    elsewhere.mkdir()
+    (run_dir / "ftcheckpoint_000020").symlink_to(elsewhere, target_is_directory=True)
+    (run_dir / "ftcheckpoint_000010" / "state.json").symlink_to(elsewhere / "state.json")
+    with pytest.raises(ConfigError) as refused:
+        storage.hold_run(run_dir)
+    assert str(refused.value) == (
+        f"run.name: {run_dir} holds symbolic links, which a run never makes and would write "
+        "through (ftcheckpoint_000010/state.json, ftcheckpoint_000020): remove them, then run "
+        "the same command again")
+    assert list(elsewhere.iterdir()) == [] and not (run_dir / run_files.LOCK).exists()
+
+
+def test_checkpoint_files_are_stored_over_planted_links_never_through_them(tmp_path):
+    """storage.upload_directory into a local run directory (replica mode's checkpoints): a
+    link planted at a file's name while the run is live is replaced by the file, its target
+    untouched; a checkpoint folder that is a link is refused (own_files.LinkRefused), naming
+    it, and nothing is written where it points."""
+    from isoloco_ray.own_files import LinkRefused
+
+    source = tmp_path / "source"
+    (source / "nested").mkdir(parents=True)
+    (source / "state.json").write_text("{}")
+    (source / "nested" / "replica_0000.pt").write_bytes(b"x" * 100_000)
+    target = tmp_path / "precious.txt"
+    target.write_text("the user's own words\n")
+    saved = tmp_path / "run" / "ftcheckpoint_000010"
+    (saved / "nested").mkdir(parents=True)
+    (saved / "state.json").symlink_to(target)
+    (saved / "nested" / "replica_0000.pt").symlink_to(target)
+    storage.upload_directory(source, saved)
+    assert target.read_text() == "the user's own words\n"
+    assert (saved / "state.json").read_text() == "{}" and not (saved / "state.json").is_symlink()
+    assert (saved / "nested" / "replica_0000.pt").read_bytes() == b"x" * 100_000
+    assert sorted(p.name for p in saved.iterdir()) == ["nested", "state.json"]  # no temp left
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    linked = tmp_path / "run" / "ftcheckpoint_000020"
+    linked.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(LinkRefused, match=f"^{linked} is a symbolic link, not a directory"):
+        storage.upload_directory(source, linked)
+    assert list(elsewhere.iterdir()) == []

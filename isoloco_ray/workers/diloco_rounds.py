@@ -220,7 +220,8 @@ class DiLoCoRounds:
         """With a quorum seat, who took part in the round's sync: the workers in its quorum,
         those that brought a Δ, those that did not (`missing_workers`: lost, or just
         healed; at the join before round 1, those not in it), the quorums it took (1 when
-        nobody failed) and the seconds this worker waited for them: RoundMetrics' quorum
+        nobody failed), the seconds this worker waited for them and when it saw the sync
+        committed (a fault's stall is measured to it: benchmarks/soak.py): RoundMetrics' quorum
         fields (a name that is not one is refused when the record is built)."""
         if self.committed is None:
             return {}
@@ -230,7 +231,8 @@ class DiLoCoRounds:
                 "missing_workers": [w for w in range(self.trainer.env.world)
                                     if w not in present],
                 "sync_attempts": self.committed.attempts,
-                "quorum_wait_seconds": self.committed.quorum_seconds}
+                "quorum_wait_seconds": self.committed.quorum_seconds,
+                "committed_at": self.committed.committed_at}
 
     def save(self, directory: Path) -> None:
         """Nothing of its own to save: every sync has landed at a round's end."""

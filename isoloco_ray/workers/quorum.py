@@ -96,6 +96,7 @@ class CommittedSync:
     # replacement, or every worker at a start) and do not record it.
     joining: list[int] = field(default_factory=list)
     quorum_seconds: float = 0.0  # waiting for the quorums (and healing), all attempts
+    committed_at: float = 0.0  # Unix time at which this worker saw the sync committed
     healed: bool = False  # this worker's state came from a peer in this sync
     # A join without a Δ, not committed, in which every participant would rather wait for
     # the workers missing: sync again.
@@ -193,6 +194,7 @@ class QuorumSeat:
             if self.manager.should_commit():
                 assert result is not None  # a committed exchange completed
                 result.attempts, result.healed, result.quorum_seconds = attempt, healed, waited
+                result.committed_at = time.time()
                 return result
         raise QuorumError(f"worker {self.rank}: the outer sync was not committed in "
                           f"{self.max_attempts} quorums (workers kept failing during it)")

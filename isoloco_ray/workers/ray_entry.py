@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -27,25 +28,39 @@ from isoloco_ray.workers.loop import Trainer, WorkerEnv
 from isoloco_ray.workers.round_metrics import Metrics
 
 
-def kill_once_hook(spec: str | None) -> Callable[[int, int], None] | None:
+def fault_once_hook(spec: str | None) -> Callable[[int, int], None] | None:
     """Fault injection for tests and benchmarks/chaos.py: "ROUND:REPLICA:MARKER" SIGKILLs this
-    worker after REPLICA's inner steps in round ROUND (0-based, i.e. mid-round), once: MARKER
-    is created first and disarms it for the restarted workers. Several, comma-separated."""
+    worker after REPLICA's inner steps in round ROUND (0-based, i.e. mid-round), once;
+    "ROUND:REPLICA:stop=SECONDS:MARKER" instead stops it there (SIGSTOP, every thread: its
+    heartbeats too, as a paused or swapped-out process) and has a process of its own send
+    SIGCONT SECONDS later. MARKER is created first (its time is the fault's) and disarms the
+    fault for the workers that start later. Several, comma-separated."""
     if not spec:
         return None
-    kills = {}
+    faults = {}
     for item in spec.split(","):
-        round_text, replica_text, marker = item.split(":", 2)
-        kills[int(round_text), int(replica_text)] = marker
+        round_text, replica_text, rest = item.split(":", 2)
+        pause = None
+        if rest.startswith("stop="):
+            seconds, rest = rest[len("stop="):].split(":", 1)
+            pause = float(seconds)
+        faults[int(round_text), int(replica_text)] = (rest, pause)
 
     def hook(round_index: int, replica: int) -> None:
-        marker = kills.get((round_index, replica))
-        if marker is not None:
-            try:
-                Path(marker).touch(exist_ok=False)
-            except FileExistsError:
-                return
+        fault = faults.get((round_index, replica))
+        if fault is None:
+            return
+        marker, pause = fault
+        try:
+            Path(marker).touch(exist_ok=False)
+        except FileExistsError:
+            return
+        if pause is None:
             os.kill(os.getpid(), signal.SIGKILL)
+        subprocess.Popen(["sh", "-c", f"sleep {pause}; kill -CONT {os.getpid()}"],
+                         start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.kill(os.getpid(), signal.SIGSTOP)
 
     return hook
 
@@ -87,7 +102,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
         read_rows=read_with_ray_data,
         report=report,
         checkpoint_room=lambda needed: storage.checkpoint_room(run_dir, needed),
-        after_replica=kill_once_hook(loop_config.get("kill_at")),
+        after_replica=fault_once_hook(loop_config.get("kill_at")),
     )
     if cfg.scaling.fault_tolerance == "replica":
         from isoloco_ray.workers.replica_mode import train_replica_worker

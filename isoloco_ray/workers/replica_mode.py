@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from isoloco_ray import run_files, storage, strict_json
+from isoloco_ray import own_files, run_files, storage, strict_json
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import Dataset
 from isoloco_ray.fault_tolerance import min_quorum
@@ -50,6 +50,7 @@ from isoloco_ray.workers.export import export_into_summary
 from isoloco_ray.workers.loop import Trainer, WorkerEnv
 from isoloco_ray.workers.model import parameters_of
 from isoloco_ray.workers.outer.route import Route
+from isoloco_ray.workers.agreement import TrainingStopped
 from isoloco_ray.workers.quorum import QuorumSeat
 from isoloco_ray.workers.round_metrics import Metrics
 
@@ -131,8 +132,11 @@ class QuorumReports:
             self.progress.put(metrics)
         if directory is None:
             return
-        storage.upload_directory(directory, self.run_dir / run_files.FT_CHECKPOINT.format(
-            round=metrics["round"]))
+        try:
+            storage.upload_directory(directory, self.run_dir / run_files.FT_CHECKPOINT.format(
+                round=metrics["round"]))
+        except own_files.LinkRefused as planted:  # every worker meets it: all stop
+            raise TrainingStopped(str(planted)) from None
         if writer:
             self._prune()
 

@@ -558,3 +558,24 @@ def test_ctrl_c_during_source_prepare_keeps_resumable_work(
     assert not partial.exists()
     assert cli([*args, "--out", tmp_path / "fresh"], capsys)[0] == 0
     assert DatasetMeta.load(out) == DatasetMeta.load(tmp_path / "fresh")
+
+
+def test_an_unfinished_preparation_planted_as_a_link_is_refused_and_its_target_untouched(
+        small_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`.NAME.partial`, where an unfinished preparation keeps its work, has a fixed name: one
+    planted as a symbolic link would be read, written and deleted through. One line, rc 2."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in synthetic_documents(20)))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "mine.txt").write_text("the user's own words\n")
+    partial = tmp_path / ".out.partial"
+    partial.symlink_to(elsewhere, target_is_directory=True)
+    code, err = cli(["--source", source, "--out", tmp_path / "out", "--tokenizer",
+                     small_dataset / "tokenizer", "--workers", "1", "--quiet"], capsys)
+    assert code == 2
+    assert error_line(err) == (
+        f"error: {partial} is a symbolic link, not the unfinished preparation this command "
+        "keeps there: remove it, then run the same command again")
+    assert [p.name for p in elsewhere.iterdir()] == ["mine.txt"]
+    assert (elsewhere / "mine.txt").read_text() == "the user's own words\n"

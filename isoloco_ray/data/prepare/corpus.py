@@ -291,6 +291,10 @@ def prepare_corpus(source: TextSource, out_dir: str | os.PathLike[str], settings
     with locked(out_dir):
         check_replaceable(out_dir, overwrite)
         staging = partial_dir(out_dir)
+        if staging.is_symlink():  # its work would be read, written and deleted through it
+            raise DataError(f"{staging} is a symbolic link, not the unfinished preparation "
+                            "this command keeps there: remove it, then run the same command "
+                            "again")
         saved = _read_progress(staging)
         if saved is not None and saved["fingerprint"] != settings.fingerprint():
             if not overwrite:

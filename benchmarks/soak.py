@@ -1,0 +1,281 @@
+"""A long `scaling.fault_tolerance: replica` soak: many seeded faults, every merge, the weights
+checked against the plain reference (issue 46, stage 4).
+
+    python benchmarks/chaos.py OUT_DIR --soak [--faults 100] [--workers 5] [--seed 0]
+        [--strategies diloco,diloco_sgd,isoc,isoloco,isocts,tsv,ties-random,dare]
+        [--json PATH] [train flags]
+
+One run per strategy (tiny model, one replica per worker, H = 2: rounds of about 0.2 s on
+2 cores), each a `python -m isoloco_ray.train` process on its own local Ray cluster, with its
+share of the faults, mixed and seeded (workers/ray_entry.py fault_once_hook): SIGKILL of a
+worker (rank 0 included: the first fault of the soak is rank 0's), or SIGSTOP for 5-60 s then
+SIGCONT. Faults are placed a few rounds apart, at most W - ⌊W/2⌋ - 1 workers out at once (a
+majority stays) and no two SIGKILLs within a replacement's start of each other (Ray 2.60
+restarts every worker then: docs/fault_tolerance.md); a fault planned for a worker that is
+still out when its round comes does not fire, and only those that fired count.
+
+Per run (JSON, and a table):
+- `faults_injected` (kills, stops), `faults_survived` (injected in a run that completed);
+- `rounds_reported_once`: metrics.jsonl holds rounds 0..N, each exactly once;
+- `survivor_restarts`: times every worker started again from a checkpoint (must be 0);
+- `stall_seconds`, one per fault: from the fault's time to the next sync the survivors
+  committed (`committed_at` of metrics.jsonl);
+- `final_eval_loss` against `failure_free_eval_loss`: the θ of the plain loop with every
+  worker in every round (workers/plain_loop.py `run_over_quorums`, which a run without
+  faults equals bit for bit), scored on the same validation tokens;
+- `weights_equal_reference`: the run's `model_sha256` equals `run_over_quorums` over the
+  contributors metrics.jsonl recorded, bit for bit;
+- `goodput`: the tokens that went into committed syncs over the tokens all W workers would
+  have trained between the first and the last committed sync at their failure-free rate
+  (the run's median rate over rounds every worker took and no fault touched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from isoloco_ray import run_files
+
+STRATEGIES = {"diloco": [], "diloco_sgd": [], "isoc": [], "isoloco": [], "isocts": [],
+              "tsv": [], "ties-random": ["--outer.strategy=ties", "--outer.prune=random"],
+              "dare": []}
+RUN_TIMEOUT_S = 3600  # each training process; a hang costs this, not the session
+PAUSE_S = (5.0, 60.0)  # SIGSTOP durations, uniform
+KILL_SHARE = 0.4  # the rest are SIGSTOPs
+FAULT_GAP_S = 2.0  # between two faults
+# How long a worker is out after a fault, beyond a pause: a SIGKILLed one until Ray Train has
+# started its replacement and the others have healed it (about 10 s on 2 cores), a stopped one
+# until it has been healed.
+KILL_OUT_S, STOP_EXTRA_S = 15.0, 3.0
+WARMUP_ROUNDS, TAIL_S = 4, 5.0  # without faults, at the start and the end of a run
+
+
+@dataclass
+class Fault:
+    """One planned fault: after worker `worker`'s inner steps of round `round` (0-based)."""
+
+    round: int
+    worker: int
+    pause: float | None  # SIGSTOP for this many seconds; None: SIGKILL
+
+    def spec(self, marker: Path) -> str:
+        """Its ISOLOCO_RAY_KILL_AT item (one replica per worker: replica = worker)."""
+        action = "" if self.pause is None else f"stop={self.pause:g}:"
+        return f"{self.round}:{self.worker}:{action}{marker}"
+
+
+def plan_faults(count: int, workers: int, round_seconds: float, rng: random.Random,
+                rank_0_first: bool) -> tuple[list[Fault], int]:
+    """`count` faults placed as the module's docstring says, in rounds of `round_seconds`
+    (the 5 s that the survivors wait for a faulted worker's heartbeat aside); returns them and
+    the rounds the run needs."""
+    def rounds(seconds: float) -> int:
+        return math.ceil(seconds / round_seconds)
+
+    most_out = workers - (workers // 2 + 1)
+    back_at = [0] * workers  # the round each worker is expected back by
+    next_kill = 0
+    faults: list[Fault] = []
+    cursor = WARMUP_ROUNDS
+    while len(faults) < count:
+        kill = (rank_0_first and not faults) or rng.random() < KILL_SHARE
+        free = [w for w in range(workers) if back_at[w] <= cursor]
+        if not free or workers - len(free) >= most_out or (kill and cursor < next_kill):
+            cursor += 1
+            continue
+        worker = 0 if rank_0_first and not faults else rng.choice(free)
+        pause = None if kill else round(rng.uniform(*PAUSE_S), 1)
+        faults.append(Fault(cursor, worker, pause))
+        if pause is None:
+            back_at[worker] = next_kill = cursor + rounds(KILL_OUT_S)
+        else:
+            back_at[worker] = cursor + rounds(pause + STOP_EXTRA_S)
+        cursor += rounds(FAULT_GAP_S)
+    return faults, max(cursor, max(back_at)) + rounds(TAIL_S)
+
+
+def train_flags(workers: int, rounds: int, data: Path, extra: list[str]) -> list[str]:
+    """The soak's configuration (tiny model, one replica per worker), then `extra`."""
+    return ["--model.preset=tiny", f"--data.path={data}", "--data.seq_len=32",
+            "--data.batch_size=2", f"--scaling.replicas={workers}",
+            "--scaling.replicas_per_worker=1", "--scaling.fault_tolerance=replica",
+            "--scaling.cpus_per_worker=1", f"--run.num_cpus={workers + 2}", "--inner.steps=2",
+            f"--run.rounds={rounds}", "--run.checkpoint_every=200", f"--run.eval_every={rounds}",
+            "--run.eval_tokens=2048", "--run.max_failures=-1", *extra]
+
+
+def prepare_data(out: Path) -> Path:
+    """The tests' small synthetic dataset (no download), once."""
+    from isoloco_ray.data.prepare.documents import prepare_dataset
+    from isoloco_ray.testing import synthetic_documents
+
+    data = out / "data"
+    if not (data / "meta.json").exists():
+        prepare_dataset(synthetic_documents(600), data, vocab_size=384, block_len=64,
+                        shard_blocks=16, valid_fraction=0.05, test_fraction=0.02, seed=0,
+                        source_name="synthetic soak text")
+    return data
+
+
+def train(name: str, flags: list[str], out: Path, faults: list[Fault]) -> dict[str, Any]:
+    """One training process with `faults` armed; its exit status, wall time and fault times."""
+    markers = [out / f"{name}-fault-{i}" for i in range(len(faults))]
+    env = dict(os.environ, ISOLOCO_RAY_KILL_AT=",".join(
+        fault.spec(marker) for fault, marker in zip(faults, markers)))
+    command = [sys.executable, "-m", "isoloco_ray.train", *flags, f"--run.name={name}",
+               f"--run.storage_path={out}"]
+    print("$", " ".join(command), flush=True)
+    started = time.time()
+    with (out / f"{name}.log").open("w") as log, subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env) as process:
+        bound = threading.Timer(RUN_TIMEOUT_S, process.kill)
+        bound.start()
+        status = process.wait()
+        bound.cancel()
+    return {"status": status, "wall_seconds": time.time() - started,
+            "fault_times": [m.stat().st_mtime if m.exists() else None for m in markers]}
+
+
+def scored_loss(cfg: Any, data: Path, theta: dict[str, Any]) -> float:
+    """The validation loss of `theta` as a run scores it (every eval token, one process)."""
+    import torch
+
+    from isoloco_ray.data.format import Dataset
+    from isoloco_ray.workers.evaluate import eval_sequences, evaluate
+    from isoloco_ray.workers.model import Runtime, build_model
+    from isoloco_ray.workers.replica import load_parameters
+
+    dataset = Dataset.open(data)
+    model = build_model(cfg.model, dataset.meta.vocab_size, cfg.run.seed)
+    load_parameters(model, theta)
+    runtime = Runtime.create(model, torch.device("cpu"), cfg.run.autocast, cfg.run.compile)
+    sequences = eval_sequences(dataset.split_files("valid"), cfg.data.seq_len,
+                               cfg.run.eval_tokens)
+    return evaluate(runtime, sequences, 0, 1, cfg.resolved.micro_batch_size)
+
+
+def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict[str, Any],
+            faults: list[Fault], workers: int) -> dict[str, Any]:
+    """The run's figures (the module's docstring)."""
+    from isoloco_ray.config import load_config
+    from isoloco_ray.workers import checkpoint, plain_loop
+
+    cfg = load_config(flags)
+    rounds = cfg.resolved.rounds
+    metrics_path = run_dir / run_files.METRICS
+    records = ([json.loads(line) for line in metrics_path.read_text().splitlines()]
+               if metrics_path.exists() else [])
+    summary_path = run_dir / run_files.SUMMARY
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    completed = result["status"] == 0 and summary.get("status") == "done"
+    fired = [(fault, at) for fault, at in zip(faults, result["fault_times"]) if at is not None]
+    commits = sorted(r["committed_at"] for r in records if r.get("committed_at"))
+    stalls = [round(min((c for c in commits if c > at), default=math.nan) - at, 2)
+              for _, at in fired]
+    by_round = {r["round"]: r for r in records}
+    contributors = [by_round[j]["contributors"] for j in range(1, rounds + 1) if j in by_round]
+    row: dict[str, Any] = {
+        "strategy": name, "rounds": rounds, "workers": workers, "run_completed": completed,
+        "faults_planned": len(faults),
+        "faults_injected": {"kill": sum(f.pause is None for f, _ in fired),
+                            "stop": sum(f.pause is not None for f, _ in fired)},
+        "faults_survived": len(fired) if completed else 0,
+        "faults": [{**asdict(f), "at": at} for f, at in fired],
+        "rounds_reported_once": [r["round"] for r in records] == list(range(rounds + 1)),
+        "survivor_restarts": summary.get("group_restarts", 0),
+        "worker_losses": summary.get("worker_losses"),
+        "stall_seconds": stalls,
+        "final_eval_loss": summary.get("final_eval_loss"),
+        "wall_seconds": round(result["wall_seconds"], 1)}
+    if len(contributors) == rounds and len(commits) > 1:
+        tokens_per_replica = cfg.inner.steps * cfg.data.batch_size * cfg.data.seq_len
+        # Rounds every worker took, after one every worker took (no fault near them).
+        clean = [workers * tokens_per_replica
+                 / (by_round[j]["committed_at"] - by_round[j - 1]["committed_at"])
+                 for j in range(3, rounds + 1)
+                 if len(contributors[j - 1]) == len(contributors[j - 2]) == workers]
+        rate = statistics.median(clean) if clean else math.nan
+        committed = sum(len(c) for c in contributors) * tokens_per_replica
+        row["failure_free_tokens_per_s"] = round(rate, 1)
+        row["goodput"] = round(committed / (rate * (commits[-1] - commits[0])), 4)
+        reference = plain_loop.run_over_quorums(cfg, data, contributors)
+        row["weights_equal_reference"] = (summary.get("model_sha256")
+                                          == checkpoint.parameters_sha256(reference))
+        # Scored as the failure-free θ is: equal to the run's own final eval loss.
+        row["reference_eval_loss"] = scored_loss(cfg, data, reference)
+        free = plain_loop.run_over_quorums(cfg, data, [list(range(workers))] * rounds)
+        row["failure_free_eval_loss"] = scored_loss(cfg, data, free)
+        if row["final_eval_loss"] is not None:
+            row["loss_vs_failure_free"] = round(row["final_eval_loss"]
+                                                - row["failure_free_eval_loss"], 4)
+    return row
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'strategy':<12} {'done':>5} {'faults k+s':>10} {'once':>5} {'restarts':>8} "
+          f"{'Δ loss':>8} {'same θ':>7} {'goodput':>8} {'median stall s':>15} {'wall s':>7}")
+    for row in rows:
+        injected = row["faults_injected"]
+        stalls = [s for s in row["stall_seconds"] if not math.isnan(s)]
+        print(f"{row['strategy']:<12} {str(row['run_completed']):>5} "
+              f"{injected['kill']:>4}+{injected['stop']:<5} "
+              f"{str(row['rounds_reported_once']):>5} {row['survivor_restarts']:>8} "
+              f"{row.get('loss_vs_failure_free', float('nan')):>+8.4f} "
+              f"{str(row.get('weights_equal_reference')):>7} "
+              f"{row.get('goodput', float('nan')):>8.3f} "
+              f"{statistics.median(stalls) if stalls else float('nan'):>15.2f} "
+              f"{row['wall_seconds']:>7}")
+    total = sum(r["faults_survived"] for r in rows)
+    print(f"faults survived in all: {total}")
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--faults", type=int, default=100, help="across all runs")
+    parser.add_argument("--workers", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--round-seconds", type=float, default=0.18,
+                        help="a round's expected length, to plan how long a fault keeps a "
+                             "worker out")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--json", type=Path)
+    args, extra = parser.parse_known_args(argv)
+    names = args.strategies.split(",")
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        raise SystemExit(f"--strategies: unknown {unknown}; choose from {list(STRATEGIES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = prepare_data(args.out)
+    rng = random.Random(args.seed)
+    rows: list[dict[str, Any]] = []
+    for index, name in enumerate(names):
+        share = args.faults // len(names) + (index < args.faults % len(names))
+        faults, rounds = plan_faults(share, args.workers, args.round_seconds, rng,
+                                     rank_0_first=index == 0)
+        flags = train_flags(args.workers, rounds, data,
+                            STRATEGIES[name] or [f"--outer.strategy={name}"]) + extra
+        print(f"{name}: {rounds} rounds, faults (round, worker, pause s or kill): "
+              f"{[(f.round, f.worker, f.pause or 'kill') for f in faults]}", flush=True)
+        result = train(name, flags, args.out, faults)
+        rows.append(figures(name, flags, data, args.out / name, result, faults, args.workers))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.json is not None:
+            args.json.write_text(json.dumps({"seed": args.seed, "runs": rows}, indent=2) + "\n")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
