@@ -254,33 +254,37 @@ def test_a_worker_that_gets_no_quorum_stops_the_run_with_one_reason(tmp_path, sm
 
 def test_checkpoint_retention_keeps_the_newest_complete_one_and_a_resume_drops_newer_ones(
         tmp_path):
-    """Checkpoints of rounds a worker missed lack its replicas' files: the writer keeps the
-    newest `keep` and the newest complete one (here round 10, behind two incomplete ones),
-    so a worker out for several checkpoint rounds never leaves nothing to resume from. A
-    restart that resumes from round 10 deletes the newer ones: an earlier attempt's files
-    must never mix with the rounds run again into what looks like a complete checkpoint."""
+    """A checkpoint needs no files of the replicas of workers missing from its round (round
+    15: worker 2, named in the round's record), but does need those of every worker that took
+    it: rounds 20 and 25 lack one (copies cut short). The writer keeps the newest `keep` and
+    the newest complete one (round 15), so cut copies never leave nothing to resume from. A
+    restart that resumes from round 15 deletes the newer ones: an earlier attempt's files must
+    never mix with the rounds run again into what looks like a complete checkpoint."""
     from isoloco_ray import run_files
     from isoloco_ray.workers.replica_mode import (QuorumReports, drop_newer_checkpoints,
                                                   stored_checkpoints)
 
-    def stored(round_index: int, replicas: range) -> None:
+    def stored(round_index: int, replicas: range, missing_workers: list[int]) -> None:
         directory = tmp_path / run_files.FT_CHECKPOINT.format(round=round_index)
         directory.mkdir()
-        for name in [checkpoint.STATE_FILE, checkpoint.GLOBAL_FILE,
-                     *(checkpoint.replica_file(r) for r in replicas)]:
+        (directory / checkpoint.STATE_FILE).write_text(json.dumps({
+            "config": {"scaling": {"replicas": 3, "replicas_per_worker": 1}},
+            "record": {"round": round_index, "missing_workers": missing_workers}}))
+        for name in [checkpoint.GLOBAL_FILE, *(checkpoint.replica_file(r) for r in replicas)]:
             (directory / name).write_bytes(b"")
 
     def rounds() -> list[str]:
         return sorted(path.name for path in tmp_path.iterdir())
 
     for round_index in (5, 10):
-        stored(round_index, range(3))
-    for round_index in (15, 20, 25):
-        stored(round_index, range(2))  # worker 2 (replica 2) missing
+        stored(round_index, range(3), [])
+    stored(15, range(2), [2])  # worker 2 missed the round: complete without replica 2
+    for round_index in (20, 25):
+        stored(round_index, range(2), [])  # worker 2 took the round: its file is needed
     QuorumReports(tmp_path, None, keep=2, replicas=3)._prune()
-    assert rounds() == ["ftcheckpoint_000010", "ftcheckpoint_000020", "ftcheckpoint_000025"]
-    drop_newer_checkpoints(tmp_path, str(tmp_path / "ftcheckpoint_000010"))
-    assert rounds() == ["ftcheckpoint_000010"]
+    assert rounds() == ["ftcheckpoint_000015", "ftcheckpoint_000020", "ftcheckpoint_000025"]
+    drop_newer_checkpoints(tmp_path, str(tmp_path / "ftcheckpoint_000015"))
+    assert rounds() == ["ftcheckpoint_000015"]
     assert len(stored_checkpoints(tmp_path)) == 1
 
 

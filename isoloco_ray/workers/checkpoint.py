@@ -11,7 +11,12 @@ A checkpoint is one directory, written by every worker (Ray Train merges the wor
                                (its host; loaded with torch.load(weights_only=True))
     data_parallel.pt           adamw_ddp only: its one AdamW state and LR schedule (rank 0)
 
-Loading needs every file: a directory missing one is reported, never half-restored.
+Loading needs every file: a directory missing one is reported, never half-restored. One
+exception, by design: in `scaling.fault_tolerance: replica` a worker missing from the round's
+sync (lost, or paused) writes no files, and its replicas' are not needed (`absent_replicas`):
+restored, they start again from θ at the checkpoint's round (Replica.rejoin), as they would
+have once that worker was healed or replaced. So every checkpoint of such a run is complete,
+however many workers each fault left out.
 
 No random-number state is saved because nothing in a run draws from a global generator: the
 model is initialised from `run.seed` in a forked RNG, the data order is fixed, the model has no
@@ -148,11 +153,26 @@ def save_shared(directory: Path, global_params: Mapping[str, torch.Tensor],
         {"format": FORMAT, **state, "outer": outer_scalars}, indent=1))
 
 
-def holds_every_file(names: Collection[str], replicas: int) -> bool:
+def holds_every_file(names: Collection[str], replicas: int,
+                     absent: Collection[int] = ()) -> bool:
     """Whether a checkpoint directory holding the files `names` has every file of a complete
-    checkpoint of `replicas` replicas by name (its contents are checked at resume:
-    checkpoint_problems)."""
-    return {STATE_FILE, GLOBAL_FILE, *(replica_file(r) for r in range(replicas))} <= set(names)
+    checkpoint of `replicas` replicas by name, those of the `absent` replicas aside
+    (`absent_replicas`; contents are checked at resume: checkpoint_problems)."""
+    needed = {STATE_FILE, GLOBAL_FILE,
+              *(replica_file(r) for r in range(replicas) if r not in absent)}
+    return needed <= set(names)
+
+
+def absent_replicas(state: Mapping[str, Any]) -> set[int]:
+    """The replicas a checkpoint needs no file of (the module's docstring): those hosted by
+    the workers its round's record (state.json's "record") names in `missing_workers`;
+    empty without such a record (`restart` mode, or an older checkpoint)."""
+    record = state.get("record")
+    missing = record.get("missing_workers") if isinstance(record, dict) else None
+    if not isinstance(missing, list):
+        return set()
+    hosted = state["config"]["scaling"]["replicas_per_worker"]
+    return {w * hosted + i for w in missing if isinstance(w, int) for i in range(hosted)}
 
 
 def saved_record(directory: Path) -> dict[str, Any] | None:
@@ -242,8 +262,10 @@ def checkpoint_problems(directory: Path) -> list[str]:
         else:
             buffer_names |= names
     if state is not None:
+        absent = absent_replicas(state)  # present or not, by design: checked when present
         replica_paths = [directory / replica_file(r)
-                         for r in range(state["config"]["scaling"]["replicas"])]
+                         for r in range(state["config"]["scaling"]["replicas"])
+                         if r not in absent or (directory / replica_file(r)).exists()]
     else:  # the replica count is unknown: check the replica files there are
         replica_paths = sorted(directory.glob("replica_*.pt"))
     for path in replica_paths:

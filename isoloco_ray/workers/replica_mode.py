@@ -13,7 +13,8 @@ Ray Train restarts the whole group, which this mode exists to avoid). Instead:
   run directory's `ftcheckpoint_<round>/`, keeping the newest complete one besides the newest
   (QuorumReports); a resumed run starts from the newest intact one
   (resume.open_resume_point) and deletes those newer (an earlier attempt's). One taken in a
-  round a worker missed lacks that worker's replicas and is skipped as incomplete;
+  round a worker missed lacks that worker's replicas, which are not needed: restored, they
+  start again from θ at its round (checkpoint.absent_replicas);
 - the end: the final round's writer exports the model and writes `ft_end.json`, the run's
   result, which the driver reads; a worker that has to stop writes why there instead.
 
@@ -118,10 +119,9 @@ def stored_checkpoints(run_dir: Any) -> list[Any]:
 
 class QuorumReports:
     """WorkerEnv.report of a seated worker: progress and checkpoints (the module's docstring).
-    The writer keeps the newest `keep` checkpoints and the newest complete one (every
-    replica's file: those taken in rounds a worker missed lack its replicas'), so that a
-    worker out for several checkpoint rounds never leaves the run without one to resume
-    from."""
+    The writer keeps the newest `keep` checkpoints and the newest complete one (every file
+    it needs: checkpoint.holds_every_file), so that a copy cut short never leaves the run
+    without one to resume from."""
 
     def __init__(self, run_dir: Any, progress: Any, keep: int, replicas: int) -> None:
         self.run_dir, self.progress = run_dir, progress
@@ -142,16 +142,30 @@ class QuorumReports:
 
     def _prune(self) -> None:
         """Delete all but the newest `keep` checkpoints and the newest complete one."""
-        import pyarrow.fs
-
         filesystem, _ = storage.arrow_location(self.run_dir)
         stored = stored_checkpoints(self.run_dir)
-        complete = next((saved for saved in stored if checkpoint.holds_every_file(
-            [entry.base_name for entry in filesystem.get_file_info(
-                pyarrow.fs.FileSelector(saved.path))], self.replicas)), None)
+        complete = next((saved for saved in stored if self._complete(filesystem, saved.path)),
+                        None)
         for old in stored[self.keep:]:
             if old is not complete:
                 filesystem.delete_dir(old.path)
+
+    def _complete(self, filesystem: Any, path: str) -> bool:
+        """Whether checkpoint `path` holds every file it needs (checkpoint.holds_every_file;
+        none of the replicas of workers missing from its round: absent_replicas)."""
+        import pyarrow.fs
+
+        names = [entry.base_name for entry in filesystem.get_file_info(
+            pyarrow.fs.FileSelector(path))]
+        if checkpoint.STATE_FILE not in names:
+            return False
+        try:
+            with filesystem.open_input_stream(posixpath.join(path, checkpoint.STATE_FILE)) as f:
+                state = json.loads(f.read())
+            absent = checkpoint.absent_replicas(state)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False  # unreadable: resume skips it too
+        return checkpoint.holds_every_file(names, self.replicas, absent)
 
 
 def drop_newer_checkpoints(run_dir: Any, resumed: str) -> None:

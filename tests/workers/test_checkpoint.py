@@ -591,3 +591,50 @@ def test_adamw_ddp_checkpoints_its_one_optimizer_and_needs_it(small_dataset, tmp
     (directory / "data_parallel.pt").unlink()
     assert checkpoint.checkpoint_problems(directory) == [
         f"{directory / 'data_parallel.pt'}: missing"]
+
+
+def test_replicas_of_a_worker_missing_from_the_round_are_not_needed_and_rejoin_at_restore(
+        small_dataset, checkpoints):
+    """Replica mode: a worker missing from a checkpoint round's sync (lost, or paused) writes no
+    files. Its replicas' are not needed (checkpoint.absent_replicas, from the round's record):
+    the checkpoint is intact, and restored they start again from θ at its round, exactly as
+    Replica.rejoin puts a healed or replaced worker's; a contributor's missing file is still
+    damage."""
+    from isoloco_ray.workers.local import local_env
+    from isoloco_ray.workers.loop import Trainer
+
+    cfg = load_config(TWO_ROUNDS)
+    intact, directory = checkpoints / "round_000002", checkpoints / "absent"
+    shutil.copytree(intact, directory)
+    state_path = directory / checkpoint.STATE_FILE
+    state = json.loads(state_path.read_text())
+    hosted = cfg.scaling.replicas_per_worker
+    state["record"] = {**(state.get("record") or {}), "round": 2, "contributors": [],
+                       "missing_workers": [0]}
+    state_path.write_text(json.dumps(state))
+    assert checkpoint.absent_replicas(state) == set(range(hosted))
+    for replica in range(1, hosted):
+        (directory / checkpoint.replica_file(replica)).unlink()
+    assert checkpoint.checkpoint_problems(directory) == []
+    assert checkpoint.holds_every_file([p.name for p in directory.iterdir()],
+                                       cfg.scaling.replicas, checkpoint.absent_replicas(state))
+
+    restored = Trainer(cfg, small_dataset, local_env(restore_from=directory))
+    rejoined = Trainer(cfg, small_dataset, local_env(restore_from=intact))
+    for replica in rejoined.replicas[1:]:
+        replica.rejoin(2 * cfg.inner.steps, rejoined.global_params)
+    for mine, expected in zip(restored.replicas[1:], rejoined.replicas[1:]):
+        assert mine.stream.position == expected.stream.position
+        # _step_count: how often step() ran in this process (a call-order warning's), not
+        # where the schedule stands
+        assert ({k: v for k, v in mine.schedule.state_dict().items() if k != "_step_count"}
+                == {k: v for k, v in expected.schedule.state_dict().items()
+                    if k != "_step_count"})
+        assert mine.optimizer.state_dict() == expected.optimizer.state_dict()
+    assert restored.replicas[1].optimizer.state_dict()["state"] == {}  # moments forgotten
+    assert restored.replicas[0].optimizer.state_dict()["state"] != {}  # its file was there
+
+    state["record"]["missing_workers"] = []  # the replicas' worker took the round: damage
+    state_path.write_text(json.dumps(state))
+    assert [line.split(": ", 1)[1] for line in checkpoint.checkpoint_problems(directory)] == [
+        "missing"] * (hosted - 1)
