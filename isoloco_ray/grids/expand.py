@@ -10,6 +10,8 @@ import itertools
 import json
 import os
 import re
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +127,11 @@ class Trial:
         return run_directory(self.config.run.storage_path, self.config.run.name)
 
 
+# A grid of at least PROGRESS_FROM trials says how far the check of its trials' settings has
+# got, every PROGRESS_EVERY_S seconds (about 5 ms per trial on a laptop core).
+PROGRESS_FROM, PROGRESS_EVERY_S = 1000, 2.0
+
+
 def build_trials(grid_file: GridFile, cli_overrides: dict[str, Any], grid_dir: Path,
                  warnings: list[str] | None = None) -> list[Trial]:
     """Every trial as a validated TrainConfig whose run lives under `grid_dir/runs/` (with
@@ -146,8 +153,15 @@ def build_trials(grid_file: GridFile, cli_overrides: dict[str, Any], grid_dir: P
             raise ConfigError(f"--{path}: the grid varies this field; change it in the grid "
                               "file instead")
     base = merge_nested(grid_file.base, cli_overrides)
-    configs = [_build_config(base, overrides, index, warnings)
-               for index, overrides in enumerate(expanded)]
+    configs = []
+    shown = time.monotonic()
+    for index, overrides in enumerate(expanded):
+        configs.append(_build_config(base, overrides, index, warnings))
+        if len(expanded) >= PROGRESS_FROM and time.monotonic() - shown >= PROGRESS_EVERY_S:
+            # A large grid (max_trials raised) takes seconds per thousand trials: say so.
+            print(f"checked {index + 1:,} of {len(expanded):,} trials' settings",
+                  file=sys.stderr, flush=True)
+            shown = time.monotonic()
     width = len(str(len(expanded) - 1))
     fields = distinguishing_fields([cfg.outer.strategy for cfg in configs], expanded)
     trials = []

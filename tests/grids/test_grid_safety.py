@@ -275,6 +275,24 @@ def test_an_unwritable_grid_directory_exits_2_before_ray(small_dataset, tmp_path
     assert "run.storage_path: cannot write to" in capsys.readouterr().err
 
 
+def test_a_large_grid_says_how_far_the_check_of_its_trials_has_got(
+        tmp_path, small_dataset, capsys, monkeypatch, no_ray):
+    """With max_trials raised, checking every trial's settings takes seconds per thousand
+    (10,000 took 52 s in silence): past PROGRESS_FROM trials a line on stderr every
+    PROGRESS_EVERY_S seconds says how far it has got (both lowered here: 6 trials)."""
+    from isoloco_ray.grids import expand
+
+    monkeypatch.setattr(expand, "PROGRESS_FROM", 5)
+    monkeypatch.setattr(expand, "PROGRESS_EVERY_S", 0.0)
+    path = write_grid(tmp_path, small_dataset, grid={"run.seed": list(range(6))})
+    assert tune.main([str(path), "--dry-run"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("checked")]
+    assert lines == [f"checked {i} of 6 trials' settings" for i in range(1, 7)]
+    monkeypatch.setattr(expand, "PROGRESS_FROM", 7)  # a small grid: silent
+    assert tune.main([str(path), "--dry-run"]) == 0
+    assert "checked" not in capsys.readouterr().err
+
+
 def test_a_huge_grid_is_refused_from_its_axes_alone_and_a_repeated_value_is_refused(
         tmp_path, small_dataset, capsys, no_ray):
     """10⁷ trials are counted, not built: one line naming the axes that multiply and the
