@@ -27,7 +27,8 @@ Per run (JSON, and a table):
   contributors metrics.jsonl recorded, bit for bit;
 - `goodput`: the tokens that went into committed syncs over the tokens all W workers would
   have trained between the first and the last committed sync at their failure-free rate
-  (the run's median rate over rounds every worker took and no fault touched).
+  (the run's median rate over rounds every worker took and no fault touched), and
+  `goodput_bound`, the most these faults allow (`goodput_bound`: pauses only).
 """
 
 from __future__ import annotations
@@ -210,6 +211,7 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
         committed = sum(len(c) for c in contributors) * tokens_per_replica
         row["failure_free_tokens_per_s"] = round(rate, 1)
         row["goodput"] = round(committed / (rate * (commits[-1] - commits[0])), 4)
+        row["goodput_bound"] = goodput_bound(row, commits[-1] - commits[0])
         reference = plain_loop.run_over_quorums(cfg, data, contributors)
         row["weights_equal_reference"] = (summary.get("model_sha256")
                                           == checkpoint.parameters_sha256(reference))
@@ -223,9 +225,18 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
     return row
 
 
+def goodput_bound(row: dict[str, Any], seconds: float) -> float:
+    """The goodput a run with these faults could reach at best: a stopped worker trains
+    nothing while stopped, but a lost one could be replaced at once and nobody need wait, so
+    only the pauses count: 1 - (Σ pauses) / (W x the run's seconds)."""
+    pauses = sum(fault["pause"] or 0.0 for fault in row["faults"])
+    return round(1 - pauses / (row["workers"] * seconds), 4)
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"\n{'strategy':<12} {'done':>5} {'faults k+s':>10} {'once':>5} {'restarts':>8} "
-          f"{'Δ loss':>8} {'same θ':>7} {'goodput':>8} {'median stall s':>15} {'wall s':>7}")
+          f"{'Δ loss':>8} {'same θ':>7} {'goodput':>8} {'bound':>6} {'median stall s':>15} "
+          f"{'wall s':>7}")
     for row in rows:
         injected = row["faults_injected"]
         stalls = [s for s in row["stall_seconds"] if not math.isnan(s)]
@@ -235,6 +246,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{row.get('loss_vs_failure_free', float('nan')):>+8.4f} "
               f"{str(row.get('weights_equal_reference')):>7} "
               f"{row.get('goodput', float('nan')):>8.3f} "
+              f"{row.get('goodput_bound', float('nan')):>6.3f} "
               f"{statistics.median(stalls) if stalls else float('nan'):>15.2f} "
               f"{row['wall_seconds']:>7}")
     total = sum(r["faults_survived"] for r in rows)
