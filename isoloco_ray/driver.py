@@ -136,12 +136,12 @@ def build_trainer(cfg: TrainConfig, data_dir: Path, run_dir: Path, progress: Any
     `callbacks`: Ray Train callbacks (e.g. Tune's TuneReportCallback).
     """
     import ray.train
+    from ray.train.torch import TorchTrainer
 
-    from isoloco_ray.steady_cleaner import steady_trainer
     from isoloco_ray.workers.ray_entry import train_loop_per_worker
 
     joined = joined_cluster()
-    return steady_trainer(
+    return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.model_dump(mode="json"), "data_dir": str(data_dir),
                            "run_dir": str(run_dir), "progress": progress,
