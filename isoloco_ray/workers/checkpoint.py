@@ -175,6 +175,13 @@ def absent_replicas(state: Mapping[str, Any]) -> set[int]:
     return {w * hosted + i for w in missing if isinstance(w, int) for i in range(hosted)}
 
 
+def rejoining_replicas(directory: Path, state: Mapping[str, Any]) -> set[int]:
+    """The `absent_replicas` of checkpoint `directory` (its state.json: `state`) that have no
+    file there: restored, they start again from θ (Replica.rejoin); one that has a file (its
+    worker joined in the round) is loaded and checked like any other."""
+    return {r for r in absent_replicas(state) if not (directory / replica_file(r)).exists()}
+
+
 def saved_record(directory: Path) -> dict[str, Any] | None:
     """The metrics line of the round checkpoint `directory` was taken after, as its writer
     kept it (state.json's "record"), or None (an older checkpoint, or none kept)."""
@@ -262,10 +269,10 @@ def checkpoint_problems(directory: Path) -> list[str]:
         else:
             buffer_names |= names
     if state is not None:
-        absent = absent_replicas(state)  # present or not, by design: checked when present
+        rejoining = rejoining_replicas(directory, state)
         replica_paths = [directory / replica_file(r)
                          for r in range(state["config"]["scaling"]["replicas"])
-                         if r not in absent or (directory / replica_file(r)).exists()]
+                         if r not in rejoining]
     else:  # the replica count is unknown: check the replica files there are
         replica_paths = sorted(directory.glob("replica_*.pt"))
     for path in replica_paths:

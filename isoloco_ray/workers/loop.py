@@ -198,7 +198,7 @@ class Trainer:
         if problems:
             raise checkpoint.CheckpointError(checkpoint.damage_report(directory, problems))
         params, outer_state, state = checkpoint.load_shared(directory)
-        absent = checkpoint.absent_replicas(state)  # its config's layout: checked just below
+        rejoining = checkpoint.rejoining_replicas(directory, state)  # before the config goes
         differing = config_differences(state.pop("config"), self.cfg)
         if differing:
             raise checkpoint.CheckpointError(
@@ -212,8 +212,7 @@ class Trainer:
                                    self.fragments)
         self.set_counters(checkpoint.read_counters(state, directory / checkpoint.STATE_FILE))
         for replica in self.replicas:
-            if (replica.index in absent
-                    and not (directory / checkpoint.replica_file(replica.index)).exists()):
+            if replica.index in rejoining:
                 # Its worker missed the round: it goes on as it would once healed or replaced.
                 replica.rejoin(self.round * self.cfg.inner.steps, self.global_params)
                 continue
