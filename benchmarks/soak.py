@@ -5,9 +5,11 @@ checked against the plain reference (issue 46, stage 4).
         [--strategies diloco,diloco_sgd,isoc,isoloco,isocts,tsv,ties-random,dare]
         [--json PATH] [train flags]
 
-One run per strategy (tiny model, one replica per worker, H = 2: rounds of about 0.2 s on
-2 cores), each a `python -m isoloco_ray.train` process on its own local Ray cluster, with its
-share of the faults, mixed and seeded (workers/ray_entry.py fault_once_hook): SIGKILL of a
+One run per strategy (tiny model, one replica per worker, H = 2; each worker's round padded to
+a second by sleeping, as a worker waiting on its accelerator, `--round-floor`: five workers
+computing without it share this machine's two cores, and goodput would measure their
+contention), each a `python -m isoloco_ray.train` process on its own local Ray cluster, with
+its share of the faults, mixed and seeded (workers/ray_entry.py fault_once_hook): SIGKILL of a
 worker (rank 0 included: the first fault of the soak is rank 0's), or SIGSTOP for 5-60 s then
 SIGCONT. Faults are placed a few rounds apart, at most W - ⌊W/2⌋ - 1 workers out at once (a
 majority stays) and no two SIGKILLs within a replacement's start of each other (Ray 2.60
@@ -130,11 +132,14 @@ def prepare_data(out: Path) -> Path:
     return data
 
 
-def train(name: str, flags: list[str], out: Path, faults: list[Fault]) -> dict[str, Any]:
-    """One training process with `faults` armed; its exit status, wall time and fault times."""
+def train(name: str, flags: list[str], out: Path, faults: list[Fault],
+          round_floor: float) -> dict[str, Any]:
+    """One training process with `faults` armed and each worker's rounds padded to
+    `round_floor` seconds; its exit status, wall time and fault times."""
     markers = [out / f"{name}-fault-{i}" for i in range(len(faults))]
     env = dict(os.environ, ISOLOCO_RAY_KILL_AT=",".join(
-        fault.spec(marker) for fault, marker in zip(faults, markers)))
+        [f"floor={round_floor:g}"] * (round_floor > 0)
+        + [fault.spec(marker) for fault, marker in zip(faults, markers)]))
     command = [sys.executable, "-m", "isoloco_ray.train", *flags, f"--run.name={name}",
                f"--run.storage_path={out}"]
     print("$", " ".join(command), flush=True)
@@ -259,12 +264,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--faults", type=int, default=100, help="across all runs")
     parser.add_argument("--workers", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--round-seconds", type=float, default=0.18,
+    parser.add_argument("--round-floor", type=float, default=1.0,
+                        help="seconds; each worker's round lasts at least this (it sleeps the "
+                             "rest, as a worker waiting on its accelerator): 0 lets five "
+                             "workers share the CPU cores")
+    parser.add_argument("--round-seconds", type=float,
                         help="a round's expected length, to plan how long a fault keeps a "
-                             "worker out")
+                             "worker out (the floor + 0.1 s; 0.18 s without a floor)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--json", type=Path)
     args, extra = parser.parse_known_args(argv)
+    round_seconds = args.round_seconds or (args.round_floor + 0.1 if args.round_floor else 0.18)
     names = args.strategies.split(",")
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
@@ -275,17 +285,18 @@ def main(argv: list[str]) -> None:
     rows: list[dict[str, Any]] = []
     for index, name in enumerate(names):
         share = args.faults // len(names) + (index < args.faults % len(names))
-        faults, rounds = plan_faults(share, args.workers, args.round_seconds, rng,
+        faults, rounds = plan_faults(share, args.workers, round_seconds, rng,
                                      rank_0_first=index == 0)
         flags = train_flags(args.workers, rounds, data,
                             STRATEGIES[name] or [f"--outer.strategy={name}"]) + extra
         print(f"{name}: {rounds} rounds, faults (round, worker, pause s or kill): "
               f"{[(f.round, f.worker, f.pause or 'kill') for f in faults]}", flush=True)
-        result = train(name, flags, args.out, faults)
+        result = train(name, flags, args.out, faults, args.round_floor)
         rows.append(figures(name, flags, data, args.out / name, result, faults, args.workers))
         print(json.dumps(rows[-1]), flush=True)
         if args.json is not None:
-            args.json.write_text(json.dumps({"seed": args.seed, "runs": rows}, indent=2) + "\n")
+            args.json.write_text(json.dumps({"seed": args.seed, "round_floor": args.round_floor,
+                                             "runs": rows}, indent=2) + "\n")
     print_table(rows)
 
 

@@ -29,6 +29,10 @@ class EnvSettings(BaseSettings):
     ft_quorum_timeout_s: float = Field(
         600.0, gt=0, allow_inf_nan=False,
         description="seconds > 0; how long a replica-mode worker waits for a quorum")
+    ft_heartbeat_timeout_s: float = Field(
+        1.0, ge=0.5, allow_inf_nan=False,
+        description="seconds ≥ 0.5; how long replica mode's lighthouse hears nothing from a "
+                    "worker before the others go on without it")
     resize_check_seconds: float = Field(
         60.0, gt=0, allow_inf_nan=False,
         description="seconds > 0; how often an elastic run checks the cluster's size")

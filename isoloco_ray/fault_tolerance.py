@@ -22,19 +22,22 @@ INSTALL_HINT = "pip install 'isoloco_ray[ft]' (pip install -e '.[ft]' in a check
 # How long the lighthouse waits, once a worker asks for a round's quorum, for the live workers
 # that have not asked yet (still in their inner steps): a straggler later than this misses the
 # round (its replicas rejoin at the next). A lost worker is not waited for this long: it stops
-# heartbeating, and one silent for HEARTBEAT_TIMEOUT_MS is out (torchft's default).
+# heartbeating (torchft's managers beat every 100 ms), and one silent for
+# ISOLOCO_RAY_FT_HEARTBEAT_TIMEOUT_S (1 s unless set; torchft's default, 5 s, was each
+# fault's whole stall in the soak: docs/fault_tolerance.md) is out.
 JOIN_TIMEOUT_MS = 30_000
-HEARTBEAT_TIMEOUT_MS = 5000
 
 
 def timeouts() -> dict[str, float]:
     """The workers' bounds, in seconds (docs/fault_tolerance.md), read on the driver: a
     collective of the quorum fails after `collective`, a worker waits `quorum` for a quorum
-    (longer than a round: a replacement waits for the others' next sync)."""
+    (longer than a round: a replacement waits for the others' next sync); the lighthouse
+    drops a worker silent for `heartbeat`."""
     from isoloco_ray.env_settings import read_env
 
     env = read_env()
-    return {"collective": env.ft_timeout_s, "quorum": env.ft_quorum_timeout_s}
+    return {"collective": env.ft_timeout_s, "quorum": env.ft_quorum_timeout_s,
+            "heartbeat": env.ft_heartbeat_timeout_s}
 
 
 def check_torchft_available(cfg: TrainConfig) -> None:
@@ -69,11 +72,13 @@ def torchft_backend(cfg: TrainConfig, joined: bool) -> Any:
     nodes must reach it (docs/fault_tolerance.md: ports)."""
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
+    heartbeat_ms = round(timeouts()["heartbeat"] * 1000)
+
     return TorchftConfig(
         lighthouse_kwargs={"bind": "[::]:0" if joined else "127.0.0.1:0",
                            "min_replicas": min_quorum(cfg.scaling.num_workers),
                            "join_timeout_ms": JOIN_TIMEOUT_MS,
-                           "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS},
+                           "heartbeat_timeout_ms": heartbeat_ms},
         backend="gloo")
 
 

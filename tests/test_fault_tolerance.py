@@ -33,7 +33,10 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
             "--inner.steps=2", "--run.rounds=40", "--run.checkpoint_every=10",
             "--run.eval_every=40", "--run.eval_tokens=512", "--run.max_failures=2",
             "--run.keep_checkpoints=4", f"--run.storage_path={tmp_path}", "--run.name=ft"]
-    monkeypatch.setenv("ISOLOCO_RAY_KILL_AT", f"11:2:{tmp_path / 'killed'}")
+    # Each round lasts at least 0.6 s (0.3 per hosted replica): with the survivors' 1 s wait
+    # for its heartbeat, the 28 rounds after the loss must outlast the replacement's start
+    # (10-15 s on 2 busy cores).
+    monkeypatch.setenv("ISOLOCO_RAY_KILL_AT", f"floor=0.3,11:2:{tmp_path / 'killed'}")
     monkeypatch.setenv("ISOLOCO_RAY_FT_QUORUM_TIMEOUT_S", "60")
     assert train.main(args) == 0
     assert (tmp_path / "killed").exists()
@@ -53,13 +56,15 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
     assert summary["model_sha256"] == checkpoint.parameters_sha256(expected)
     assert summary["worker_losses"] == 1
     assert summary["rounds_with_missing_workers"] == sum(c != [0, 1, 2] for c in contributors)
-    assert summary["max_quorum_wait_seconds"] >= metrics[12]["quorum_wait_seconds"] > 1
+    # The survivors waited for worker 1's heartbeats to lapse (1 s unless set).
+    assert summary["max_quorum_wait_seconds"] >= metrics[12]["quorum_wait_seconds"] > 0.5
     assert (run_dir / "model" / "model.safetensors").is_file()
 
     # The run again from its checkpoint of round 10, taken before the loss (as after a stop;
     # the later ones lack worker 1's replicas for as long as its replacement took to come): it
     # resumes from storage, not from a peer, and, nobody lost this time, ends with the plain
     # loop's parameters over every worker from round 11 on.
+    monkeypatch.delenv("ISOLOCO_RAY_KILL_AT")
     for name in ("summary.json", "ft_end.json"):
         (run_dir / name).unlink()
     shutil.rmtree(run_dir / "model")
@@ -110,6 +115,24 @@ def test_the_injected_pause_stops_the_whole_process_once_and_lets_it_go_on(tmp_p
         assert child.stdout.read() == "" and child.wait(30) == -9 and killed.exists()
     finally:
         child.kill()
+
+
+def test_the_round_floor_pads_each_call_to_its_length_from_the_previous_one():
+    """benchmarks/soak.py's "floor=S" item: a call returns no sooner than S seconds after the
+    previous one (the first at once); work that takes longer is not padded."""
+    from isoloco_ray.workers.ray_entry import fault_once_hook
+
+    hook = fault_once_hook("floor=0.3")
+    assert hook is not None
+    started = time.monotonic()
+    hook(0, 0)
+    first = time.monotonic()
+    hook(1, 0)
+    second = time.monotonic()
+    time.sleep(0.4)  # longer than the floor: nothing is added
+    hook(2, 0)
+    third = time.monotonic()
+    assert first - started < 0.1 and second - started >= 0.3 and third - second < 0.55
 
 
 def test_a_checkpoint_folder_planted_as_a_link_during_a_run_stops_it_with_one_line(tmp_path):

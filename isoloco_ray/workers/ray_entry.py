@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -34,11 +35,18 @@ def fault_once_hook(spec: str | None) -> Callable[[int, int], None] | None:
     "ROUND:REPLICA:stop=SECONDS:MARKER" instead stops it there (SIGSTOP, every thread: its
     heartbeats too, as a paused or swapped-out process) and has a process of its own send
     SIGCONT SECONDS later. MARKER is created first (its time is the fault's) and disarms the
-    fault for the workers that start later. Several, comma-separated."""
+    fault for the workers that start later. Several, comma-separated. An item "floor=SECONDS"
+    makes each call return no sooner than SECONDS after this worker's previous one (sleeping
+    the rest): benchmarks/soak.py's workers then wait on their rounds, as workers bound by an
+    accelerator do, rather than share two CPU cores as five."""
     if not spec:
         return None
     faults = {}
+    floor = 0.0
     for item in spec.split(","):
+        if item.startswith("floor="):
+            floor = float(item[len("floor="):])
+            continue
         round_text, replica_text, rest = item.split(":", 2)
         pause = None
         if rest.startswith("stop="):
@@ -46,7 +54,12 @@ def fault_once_hook(spec: str | None) -> Callable[[int, int], None] | None:
             pause = float(seconds)
         faults[int(round_text), int(replica_text)] = (rest, pause)
 
+    previous_call: list[float] = []
+
     def hook(round_index: int, replica: int) -> None:
+        if floor and previous_call:
+            time.sleep(max(0.0, previous_call[0] + floor - time.monotonic()))
+        previous_call[:] = [time.monotonic()]
         fault = faults.get((round_index, replica))
         if fault is None:
             return

@@ -455,6 +455,8 @@ def test_help_says_how_to_unset_an_optional_field(capsys):
     ("ISOLOCO_RAY_FT_TIMEOUT_S", "0", "Input should be greater than 0; it takes seconds > 0"),
     ("ISOLOCO_RAY_FT_QUORUM_TIMEOUT_S", "inf", "Input should be a finite number; it takes "
                                                "seconds > 0"),
+    ("ISOLOCO_RAY_FT_HEARTBEAT_TIMEOUT_S", "0.1", "Input should be greater than or equal to "
+                                                  "0.5; it takes seconds ≥ 0.5"),
     ("ISOLOCO_RAY_RESIZE_CHECK_SECONDS", "-1", "Input should be greater than 0"),
     ("ISOLOCO_RAY_VERIFY_DATA", "sometimes", "it takes once, always or never"),
     ("ISOLOCO_RAY_CACHE", "FILE", "it names a file, not a directory; it takes a directory"),
