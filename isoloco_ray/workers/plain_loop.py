@@ -71,7 +71,9 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
     plainly: W = R/V workers, worker w hosting replicas wV … wV+V−1. In round j only the
     workers in `contributors[j]` take their inner steps. For a merge of the mean each sends
     the sum of its replicas' Δ_r (in replica order); the mean is those sums added in rank
-    order, over the number of replicas in them, merged and applied by the outer optimizer. A
+    order, over the number of replicas in them (each Δ_r pruned first where the merge is the
+    mean of pruned Δ_r: dare, ties without disjoint), merged and applied by the outer
+    optimizer. A
     merge of every Δ_r (tsv, isocts, ties) is OuterSync's step over the replicas present, in
     replica order, keyed by round j (random masks). A worker absent from round j has its
     replicas start round j+1 from θ with fresh AdamW moments, their LR schedule and stream
@@ -91,12 +93,17 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
             for r in mine:
                 for _ in range(steps):
                     inner_step(cfg, *replicas[r])
-            with torch.no_grad():  # Σ_r Δ_r from zero in replica order, as Payloads.make
-                params = [dict(replicas[r][0].named_parameters()) for r in mine]
-                sums.append({n: sum((theta[n] - p[n] for p in params), torch.zeros_like(t))
+            with torch.no_grad():
+                mine_deltas = {r: {n: theta[n] - p for n, p in replicas[r][0].named_parameters()}
+                               for r in mine}
+                deltas.update(mine_deltas)
+                if resolved.prune_where_hosted:  # a mean of pruned Δ_r: pruned where hosted
+                    mine_deltas = {r: {n: every_delta.payloads.pruned(d, round_index, r, n)
+                                       for n, d in delta.items()}
+                                   for r, delta in mine_deltas.items()}
+                # Σ_r Δ_r from zero in replica order, as Payloads.make
+                sums.append({n: sum((mine_deltas[r][n] for r in mine), torch.zeros_like(t))
                              for n, t in theta.items()})
-                deltas.update({r: {n: theta[n] - p[n] for n in theta}
-                               for r, p in zip(mine, params)})
         with torch.no_grad():
             if not every_delta.route.sums:  # the absent replicas' Δ_r left out as diverged
                 absent = {r for r in range(len(replicas)) if r not in deltas}

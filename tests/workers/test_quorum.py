@@ -322,8 +322,9 @@ def lose_a_worker_after_round_1(outer, lighthouse: str, theta: dict[str, torch.T
 
 @pytest.mark.parametrize("args", [["--outer.strategy=tsv"], ["--outer.strategy=isocts"],
                                   ["--outer.strategy=ties"],
-                                  ["--outer.strategy=ties", "--outer.prune=random"]],
-                         ids=["tsv", "isocts", "ties", "ties-random"])
+                                  ["--outer.strategy=ties", "--outer.prune=random"],
+                                  ["--outer.strategy=dare", "--outer.disjoint=true"]],
+                         ids=["tsv", "isocts", "ties", "ties-random", "dare-disjoint"])
 def test_a_per_replica_merge_over_a_quorum_is_the_step_without_the_missing_replicas(lighthouse,
                                                                                    args):
     """The merges of every Δ_r over a quorum: 3 workers, replica 3 diverged in round 1, worker

@@ -178,15 +178,20 @@ def test_replica_spread_over_two_workers_matches_one_worker(small_dataset, strat
     assert summary_spread["tokens"] == summary_whole["tokens"]
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "isoc"])
+@pytest.mark.parametrize("strategy", [["diloco"], ["isoc"], ["tsv"], ["dare"],
+                                      ["ties", "--outer.prune=random", "--outer.disjoint=false"]],
+                         ids=["diloco", "isoc", "tsv", "dare", "ties-random-mean"])
 def test_the_plain_loop_over_quorums_is_the_plain_loop_when_one_worker_takes_every_round(
         small_dataset, strategy):
     """plain_loop.run_over_quorums (the reference for workers missing rounds) with one worker
-    hosting every replica, present in every round: the plain loop, bit for bit."""
+    hosting every replica, present in every round: the plain loop, bit for bit; for the
+    merges of the mean of pruned Δ_r (dare, ties without disjoint) too, whose Δ_r are pruned
+    where hosted, before the sum."""
     from isoloco_ray.workers import plain_loop
 
     cfg = load_config(TINY + ["--scaling.replicas=4", "--scaling.replicas_per_worker=4",
-                              "--run.rounds=3", f"--outer.strategy={strategy}"])
+                              "--run.rounds=3", f"--outer.strategy={strategy[0]}",
+                              *strategy[1:]])
     plain = plain_loop.run(cfg, small_dataset)
     over_quorums = plain_loop.run_over_quorums(cfg, small_dataset, [[0]] * cfg.run.rounds)
     for name, value in plain.items():
