@@ -63,6 +63,7 @@ FAULT_GAP_S = 2.0  # between two faults
 # until it has been healed.
 KILL_OUT_S, STOP_EXTRA_S = 15.0, 3.0
 WARMUP_ROUNDS, TAIL_S = 4, 5.0  # without faults, at the start and the end of a run
+CHECKPOINT_EVERY = 20  # rounds: checkpoints are taken between faults, and across them
 
 
 @dataclass
@@ -115,7 +116,8 @@ def train_flags(workers: int, rounds: int, data: Path, extra: list[str]) -> list
             "--data.batch_size=2", f"--scaling.replicas={workers}",
             "--scaling.replicas_per_worker=1", "--scaling.fault_tolerance=replica",
             "--scaling.cpus_per_worker=1", f"--run.num_cpus={workers + 2}", "--inner.steps=2",
-            f"--run.rounds={rounds}", "--run.checkpoint_every=200", f"--run.eval_every={rounds}",
+            f"--run.rounds={rounds}", f"--run.checkpoint_every={CHECKPOINT_EVERY}",
+            f"--run.eval_every={rounds}",
             "--run.eval_tokens=2048", "--run.max_failures=-1", *extra]
 
 
