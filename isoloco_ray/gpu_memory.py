@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from isoloco_ray.config import ConfigError, TrainConfig
-from isoloco_ray.strategies import MERGES, OuterMerge, STRATEGIES
+from isoloco_ray.strategies import MERGES, STRATEGIES, OuterMerge, Route
 
 FLOAT32 = 4
 FLOAT64 = 8
@@ -135,7 +135,6 @@ def _most_owned(cfg: TrainConfig, merge: OuterMerge, shapes: Mapping[str, Sequen
 
     from isoloco_ray.workers.fragments import split_fragments
     from isoloco_ray.workers.outer.plan import OuterPlan, position_shares
-    from isoloco_ray.workers.outer.route import Route
 
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}
     torch_shapes = {name: torch.Size(shape) for name, shape in shapes.items()}

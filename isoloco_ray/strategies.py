@@ -8,12 +8,13 @@ Two levels (docs/strategies.md has the math):
 - An **outer strategy** (`STRATEGIES`) is what a run sets in `outer.strategy`: which merge it
   applies, which `outer.*` options it takes, and the paper's hyperparameters (178M, R = 8).
 
-Config validation, the outer sync (what travels, who merges), the owner plan's cost model,
-the sweep converter and the benchmarks all dispatch on the properties resolved here
-(`OuterMerge`), never on strategy names. Adding a strategy is one entry in `STRATEGIES` (plus
-its merge in `MERGES` and its function in `aggregators.merge`'s table if it is new); a wire
-format (`outer.comm_dtype`) is one entry in `WIRE_FORMATS` and one in `workers/outer/codec.py`. No
-torch import: the config reads this before anything heavy is loaded.
+Config validation, the outer sync (what travels, who merges), the owner plan's cost model, the
+sweep converter and the benchmarks all dispatch on the properties resolved here (`OuterMerge`,
+and the `Route` an outer step's data takes), never on strategy names. Adding a strategy is one
+entry in `STRATEGIES` (plus its merge in `MERGES` and its function in `aggregators.merge`'s
+table if it is new); a wire format (`outer.comm_dtype`) is one entry in `WIRE_FORMATS` and one
+in `workers/outer/codec.py`. No torch import: the config reads this before anything heavy is
+loaded.
 """
 
 from __future__ import annotations
@@ -163,6 +164,14 @@ class OuterSettings(Protocol):
     def orthogonalize(self) -> str | None: ...
     @property
     def disjoint(self) -> bool | None: ...
+    @property
+    def comm_dtype(self) -> str: ...
+    @property
+    def topk(self) -> float | None: ...
+    @property
+    def error_feedback(self) -> bool: ...
+    @property
+    def placement(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -205,3 +214,42 @@ class OuterMerge:
     def elementwise(self) -> bool:
         """Merge and update are elementwise: every rank can do them on the all-reduced sum."""
         return self.merge == "mean" and not self.orthogonalize_update
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one run's outer steps move data, chosen once from its settings (docs/design.md,
+    "The outer sync"): two independent choices.
+
+    - **What a rank sends** (`sums`): when the merge needs only the replicas' mean and the
+      wire carries a plain cast of it, one sum per tensor of its good replicas' Δ_r;
+      otherwise every hosted Δ_r, for per-replica merges and for codes that are each
+      replica's own (int8/float8 rows, top-k, error feedback: what each replica loses on the
+      wire stays its own).
+    - **Who merges** (`everyone_merges`): every rank, with every payload (replicated
+      placement, and sharded for elementwise means sent losslessly, whose float32 all-reduce
+      is balanced already); else each tensor's owner (workers/outer/plan.py), who sends the
+      update back.
+
+    Together: an all-reduce of sums, an all-gather of every Δ_r, or payloads to owners and
+    updates back.
+    """
+
+    sums: bool  # each rank sends the sum of its good replicas' Δ_r (else every hosted Δ_r)
+    everyone_merges: bool  # every rank merges every tensor (else owners merge theirs)
+
+    @classmethod
+    def choose(cls, outer: OuterSettings, merge: OuterMerge) -> Route:
+        """The route of `outer` (a validated OuterConfig) with its resolved merge."""
+        wire = WIRE_FORMATS[outer.comm_dtype]
+        own_codes = wire.per_replica or outer.topk is not None or outer.error_feedback
+        everyone = outer.placement == "replicated" or (
+            outer.placement == "sharded" and merge.elementwise and wire.lossless)
+        return cls(sums=merge.of_mean and not own_codes, everyone_merges=everyone)
+
+    @property
+    def name(self) -> str:
+        """How it reads in docs and benchmarks."""
+        if self.everyone_merges:
+            return "all-reduce of sums" if self.sums else "all-gather of every Δ_r"
+        return f"{'sums' if self.sums else 'every Δ_r'} to owners, updates back"

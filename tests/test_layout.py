@@ -17,12 +17,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def runtime_imports(path: Path) -> set[str]:
-    """Every module `path` imports (at its top or inside functions), less TYPE_CHECKING's."""
+def runtime_imports(path: Path, typing_too: bool = False) -> set[str]:
+    """Every module `path` imports (at its top or inside functions), less TYPE_CHECKING's
+    unless `typing_too`."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(node) for block in ast.walk(tree)
-                   if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
-                   for node in ast.walk(block)}
+    typing_only = set() if typing_too else {
+        id(node) for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for node in ast.walk(block)}
     found = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
@@ -73,3 +75,14 @@ def test_the_pure_parts_import_neither_ray_nor_collectives():
                  "isoloco_ray.data.checks", "isoloco_ray.config", "isoloco_ray.metrics",
                  "isoloco_ray.run_records", "isoloco_ray.report"):
         assert not uses(name, "ray"), name
+
+
+def test_the_configuration_and_the_registry_never_import_the_workers():
+    """Layers point one way: config/ and strategies.py (which config reads) know nothing of
+    workers/, not even for annotations; the route an outer step takes is the registry's."""
+    readers = [name for name in MODULES
+               if name.startswith("isoloco_ray.config") or name == "isoloco_ray.strategies"]
+    assert len(readers) > 3
+    for name in readers:
+        imports = runtime_imports(MODULES[name], typing_too=True)
+        assert not [i for i in imports if i.startswith("isoloco_ray.workers")], name

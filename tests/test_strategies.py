@@ -8,7 +8,7 @@ import torch
 
 from isoloco_ray import aggregators
 from isoloco_ray.config import OPTION_STRATEGIES, OuterConfig, load_config
-from isoloco_ray.strategies import MERGES, STRATEGIES, OuterMerge
+from isoloco_ray.strategies import MERGES, STRATEGIES, OuterMerge, Route
 from isoloco_ray.workers.outer.payload import pruning_generator
 from isoloco_ray.workers.outer.step import OuterSync
 
@@ -156,8 +156,6 @@ def test_an_unknown_merge_or_wire_format_is_refused_by_name():
     (["--outer.strategy=ties", "--outer.disjoint=false"], "all-reduce of sums"),
 ])
 def test_the_route_is_chosen_once_from_strategy_placement_and_wire(flags, route):
-    from isoloco_ray.workers.outer.route import Route
-
     outer = load_config(flags).outer
     chosen = Route.choose(outer, OuterMerge.of(outer))
     assert chosen.name == route

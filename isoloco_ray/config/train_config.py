@@ -16,8 +16,7 @@ from isoloco_ray.config.schema import (
     ScalingConfig,
     Section,
 )
-from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, OuterMerge
-from isoloco_ray.workers.outer.route import Route
+from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, OuterMerge, Route
 
 
 class TrainConfig(Section):

@@ -45,13 +45,12 @@ from isoloco_ray import own_files, run_files, storage, strict_json
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import Dataset
 from isoloco_ray.fault_tolerance import min_quorum
-from isoloco_ray.strategies import OuterMerge
+from isoloco_ray.strategies import OuterMerge, Route
 from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.agreement import TrainingStopped
 from isoloco_ray.workers.export import export_into_summary
 from isoloco_ray.workers.loop import Trainer, WorkerEnv
 from isoloco_ray.workers.model import parameters_of
-from isoloco_ray.workers.outer.route import Route
 from isoloco_ray.workers.quorum import QuorumSeat
 from isoloco_ray.workers.round_metrics import Metrics
 

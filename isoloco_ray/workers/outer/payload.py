@@ -1,8 +1,8 @@
 """What a rank of the outer group sends of its hosted replicas' Δ_r in one outer step.
 
-Per tensor: [Σ of its good replicas' Δ_r] when the route sends sums (route.py), or every hosted
-Δ_r in replica order. Pruned where hosted when the merge is a mean of sparsified Δ_r (TIES/DARE
-without the disjoint step), and corrected by error feedback when that is on.
+Per tensor: [Σ of its good replicas' Δ_r] when the route sends sums (strategies.Route), or every
+hosted Δ_r in replica order. Pruned where hosted when the merge is a mean of sparsified Δ_r
+(TIES/DARE without the disjoint step), and corrected by error feedback when that is on.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import torch
 
 from isoloco_ray import aggregators
 from isoloco_ray.config import OuterConfig, settled
-from isoloco_ray.strategies import OuterMerge
+from isoloco_ray.strategies import OuterMerge, Route
 from isoloco_ray.workers.outer.codec import Codec
-from isoloco_ray.workers.outer.route import Route
 
 
 CPU = torch.device("cpu")

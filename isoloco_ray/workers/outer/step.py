@@ -3,7 +3,7 @@
 Each rank of the outer group hosts L = R / ranks replicas. One step, on every rank:
 
 1. which replicas are good (finite Δ_r and loss), agreed by all ranks;
-2. this rank's payload (payload.py), along the run's route (route.py): summed by an
+2. this rank's payload (payload.py), along the run's route (strategies.Route): summed by an
    all-reduce, gathered by every rank, or sent to each tensor's owner (plan.py);
 3. the merge of what arrived (aggregators) and the outer momentum, by every rank or by the
    owners, who send the updates back (transport.py); outer momentum lives where the merge
@@ -27,11 +27,10 @@ import torch
 
 from isoloco_ray import aggregators
 from isoloco_ray.config import OuterConfig, settled
-from isoloco_ray.strategies import OuterMerge
+from isoloco_ray.strategies import OuterMerge, Route
 from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
 from isoloco_ray.workers.outer.payload import Payloads
 from isoloco_ray.workers.outer.plan import OuterPlan, position_shares
-from isoloco_ray.workers.outer.route import Route
 from isoloco_ray.workers.outer.transport import Contributions, Transport
 from isoloco_ray.workers.quorum import CommittedSync, Contribution, QuorumSeat
 
@@ -107,7 +106,7 @@ class OuterSync:
         self.resolved = OuterMerge.of(outer)
         self.merge = self.resolved.merge
         self.mean_only = self.resolved.of_mean  # the merge needs only the mean of the Δ_r
-        self.route = Route.choose(outer, self.resolved)  # chosen once: route.py
+        self.route = Route.choose(outer, self.resolved)  # chosen once: strategies.Route
         self.transport = Transport(outer.comm_dtype, group, outer.topk)
         self.payloads = Payloads(outer, self.resolved, self.route, self.transport.codec, seed)
         self.optimizer = outer_optimizer(outer, self.resolved.orthogonalize_update)
