@@ -209,7 +209,8 @@ def test_a_resume_records_the_checkpoints_round_once_if_the_stopped_run_never_di
     metrics.jsonl already holds is not reported again."""
     from isoloco_ray import run_files
     from isoloco_ray.data.stream import read_with_pyarrow
-    from isoloco_ray.workers.loop import Trainer, WorkerEnv
+    from isoloco_ray.workers.loop import Trainer
+    from isoloco_ray.workers.worker_env import WorkerEnv
     from isoloco_ray.workers.replica_mode import record_restored_round
 
     cfg = load_config(["--model.preset=tiny", "--inner.steps=1", "--run.rounds=2",
@@ -248,7 +249,7 @@ def test_a_worker_that_gets_no_quorum_stops_the_run_with_one_reason(tmp_path, sm
 
     from isoloco_ray.data.format import Dataset
     from isoloco_ray.data.stream import read_with_pyarrow
-    from isoloco_ray.workers.loop import WorkerEnv
+    from isoloco_ray.workers.worker_env import WorkerEnv
     from isoloco_ray.workers.replica_mode import read_end, train_replica_worker
 
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000)

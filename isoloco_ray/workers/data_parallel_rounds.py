@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,28 +24,27 @@ from isoloco_ray.workers.replica import (
     parameters_finite,
     snapshot_parameters,
 )
-
-if TYPE_CHECKING:
-    from isoloco_ray.workers.loop import Trainer
+from isoloco_ray.workers.round_parts import RoundParts
 
 
 class DataParallelRounds:
-    """Runs a Trainer's adamw_ddp rounds; its one AdamW and LR schedule over the global model
-    are alike on every rank and saved by rank 0 (checkpoint.DATA_PARALLEL_FILE)."""
+    """Runs a worker's adamw_ddp rounds on the Trainer's parts (round_parts.py); its one AdamW
+    and LR schedule over the global model are alike on every rank and saved by rank 0
+    (checkpoint.DATA_PARALLEL_FILE)."""
 
     optimizer: torch.optim.AdamW
     schedule: torch.optim.lr_scheduler.LambdaLR
     committed: CommittedSync | None = None  # never: it runs over no quorum (refused below)
 
-    def __init__(self, trainer: Trainer) -> None:
-        if trainer.env.seat is not None:
+    def __init__(self, parts: RoundParts) -> None:
+        if parts.env.seat is not None:
             raise ValueError("outer.strategy adamw_ddp all-reduces gradients at every step "
                              "over every worker: it cannot run over a quorum")
-        self.trainer = trainer
-        cfg = trainer.cfg
+        self.parts = parts
+        cfg = parts.cfg
         self.optimizer, self.schedule = make_inner_optimizer(
-            trainer.model, cfg.inner, cfg.resolved.rounds * cfg.inner.steps,
-            trainer.env.device.type == "cuda")
+            parts.model, cfg.inner, cfg.resolved.rounds * cfg.inner.steps,
+            parts.env.device.type == "cuda")
 
     def save(self, directory: Path) -> None:
         """Write the optimizer and schedule (called on rank 0)."""
@@ -58,42 +57,43 @@ class DataParallelRounds:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.schedule.load_state_dict(saved["schedule"])
 
-    def run_round(self) -> tuple[float, float, OuterStepStats]:
-        """One round. Returns (this rank's share of the replicas' summed mean loss, inner
-        seconds, the gradient all-reduce's figures as the round's outer stats)."""
-        trainer = self.trainer
-        cfg = trainer.cfg
+    def run_round(self, round_index: int) -> tuple[float, float, OuterStepStats]:
+        """Round `round_index` + 1 (`round_index` rounds are done). Returns (this rank's share
+        of the replicas' summed mean loss, inner seconds, the gradient all-reduce's figures as
+        the round's outer stats)."""
+        parts = self.parts
+        cfg = parts.cfg
         stats, traffic = OuterStepStats(), TrafficCounter()
-        params = list(trainer.model.parameters())
-        shard = trainer.layout.shard
+        params = list(parts.model.parameters())
+        shard = parts.layout.shard
         shares = cfg.scaling.replicas * cfg.scaling.workers_per_replica
-        load_parameters(trainer.model, trainer.global_params)
+        load_parameters(parts.model, parts.global_params)
 
         # Every rank joins each step's sum, with zeros after a data error (no batch read).
         average = GradientAverage(params, None, shares, traffic, zero_missing=True)
         started = time.perf_counter()
-        loss_sum = torch.zeros((), device=trainer.env.device)
+        loss_sum = torch.zeros((), device=parts.env.device)
         data_error = None
         for _ in range(cfg.inner.steps):
             batches = []  # the hosted replicas' batches: their gradients add up in .grad
             try:
                 if data_error is None:
-                    batches = [replica.stream.next_batch() for replica in trainer.replicas]
+                    batches = [replica.stream.next_batch() for replica in parts.replicas]
             except DataError as exc:
                 # Keep joining the steps' all-reduce so the other ranks reach the end of the
                 # round, where every rank stops.
                 data_error = str(exc)
             loss_sum += inner_step(
-                trainer.runtime, self.optimizer, self.schedule,
+                parts.runtime, self.optimizer, self.schedule,
                 [batch if shard is None else shard.rows(batch) for batch in batches],
                 cfg.resolved.micro_batch_size, cfg.inner.clip, average)
         stats.comm_seconds = average.finish_seconds
         inner_seconds = time.perf_counter() - started - stats.comm_seconds
-        stop_if_any_rank_failed(data_error, trainer.round)
+        stop_if_any_rank_failed(data_error, round_index)
         stats.bytes_received = traffic.take()
-        stepped = snapshot_parameters(trainer.model)
+        stepped = snapshot_parameters(parts.model)
         if parameters_finite(stepped):  # alike on every rank: the same averaged gradients
-            trainer.global_params = stepped
+            parts.global_params.update(stepped)
         else:
             # The DiLoCo strategies' guard, for the one data-parallel "replica": the round is
             # skipped (parameters as they were before it) and AdamW's moments are reset.

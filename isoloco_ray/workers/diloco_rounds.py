@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -17,112 +17,111 @@ from isoloco_ray.workers.fragments import round_events
 from isoloco_ray.workers.outer.step import OuterStepStats, stopwatch
 from isoloco_ray.workers.overlap import Background
 from isoloco_ray.workers.quorum import CommittedSync
-
-if TYPE_CHECKING:
-    from isoloco_ray.workers.loop import Trainer
+from isoloco_ray.workers.round_parts import RoundParts
 
 
 class DiLoCoRounds:
-    """Runs a Trainer's DiLoCo rounds. Holds no checkpointed state: every sync has landed at a
-    round's end, where checkpoints are taken."""
+    """Runs a worker's DiLoCo rounds on the Trainer's parts (round_parts.py). Holds no
+    checkpointed state: every sync has landed at a round's end, where checkpoints are taken."""
 
     # Syncs started but not landed, by fragment (none at a round's end).
     in_flight: dict[int, Future[OuterStepStats] | OuterStepStats]
     background: Background | None  # the thread syncs run on with outer.delay
 
-    def __init__(self, trainer: Trainer) -> None:
-        if trainer.env.seat is not None and trainer.cfg.outer.streaming:
+    def __init__(self, parts: RoundParts) -> None:
+        if parts.env.seat is not None and parts.cfg.outer.streaming:
             raise ValueError("the quorum's outer step runs without outer.fragments, delay and "
                              "mix: leave them at their defaults")
-        self.trainer = trainer
+        self.parts = parts
         self.in_flight = {}
         self.committed: CommittedSync | None = None  # with a quorum seat: the round's sync
-        self.background = (Background(trainer.env.device) if trainer.cfg.outer.delay > 0
+        self.background = (Background(parts.env.device) if parts.cfg.outer.delay > 0
                            else None)
 
-    def run_round(self) -> tuple[float, float, OuterStepStats]:
-        """One round. Returns (sum of the finite replicas' mean losses on this rank, counted
-        by the first worker of each replica only, inner seconds, the round's syncs' stats
-        together)."""
-        trainer = self.trainer
-        cfg = trainer.cfg
+    def run_round(self, round_index: int) -> tuple[float, float, OuterStepStats]:
+        """Round `round_index` + 1 (`round_index` rounds are done). Returns (sum of the finite
+        replicas' mean losses on this rank, counted by the first worker of each replica only,
+        inner seconds, the round's syncs' stats together)."""
+        parts = self.parts
+        cfg = parts.cfg
         steps = cfg.inner.steps
         stats = OuterStepStats()
-        losses: dict[int, list[torch.Tensor]] = {r.index: [] for r in trainer.replicas}
+        losses: dict[int, list[torch.Tensor]] = {r.index: [] for r in parts.replicas}
         inner_seconds, done, checked = 0.0, 0, False
         data_error = None
         try:
-            for event in round_events(trainer.round, cfg.resolved.rounds, steps,
+            for event in round_events(round_index, cfg.resolved.rounds, steps,
                                       cfg.outer.fragments, cfg.outer.delay):
                 if event.step > done:
-                    seconds, data_error = self._inner_steps(event.step - done, losses,
-                                                            event.step == steps, data_error)
+                    seconds, data_error = self._inner_steps(round_index, event.step - done,
+                                                            losses, event.step == steps,
+                                                            data_error)
                     inner_seconds += seconds
                     done, checked = event.step, False
                 if event.starts:
                     # Every rank stops together before a sync when any rank's data failed.
-                    self._stop_if_any_failed(data_error)
+                    self._stop_if_any_failed(round_index, data_error)
                     checked = True
                     self._start_sync(event.fragment, event.sync_round, losses)
                 else:
                     stats.add(self._finish_sync(event.fragment))
             if done < steps:
-                seconds, data_error = self._inner_steps(steps - done, losses, True, data_error)
+                seconds, data_error = self._inner_steps(round_index, steps - done, losses, True,
+                                                        data_error)
                 inner_seconds += seconds
                 checked = False
             if not checked:
-                self._stop_if_any_failed(data_error)
+                self._stop_if_any_failed(round_index, data_error)
         finally:
             self._wait_for_syncs()
         if self.committed is not None:  # every contributing worker's, from the quorum
             return self.committed.loss_sum, inner_seconds, stats
-        counted = trainer.layout.position == 0
+        counted = parts.layout.position == 0
         total = sum((loss for replica, loss in self._mean_losses(losses).items()
                      if replica not in stats.dropped and counted), 0.0)
         return total, inner_seconds, stats
 
-    def _stop_if_any_failed(self, data_error: str | None) -> None:
+    def _stop_if_any_failed(self, round_index: int, data_error: str | None) -> None:
         """TrainingStopped on every worker, with one message, when any worker's data failed
         this round: over the worker's ranks, or with a quorum seat over the round's quorum (the
         failing worker's sync carries the message to the others' syncs)."""
-        trainer = self.trainer
-        seat = trainer.env.seat
-        if seat is not None and data_error is not None:
-            reason = f"worker {trainer.env.rank} in round {trainer.round + 1}: {data_error}"
-            seat.sync(None, round_index=trainer.round, stopping=reason)  # raises everywhere
+        env = self.parts.env
+        if env.seat is not None and data_error is not None:
+            reason = f"worker {env.rank} in round {round_index + 1}: {data_error}"
+            env.seat.sync(None, round_index=round_index, stopping=reason)  # raises everywhere
             raise TrainingStopped(reason)
-        stop_if_any_rank_failed(data_error, trainer.round)
+        stop_if_any_rank_failed(data_error, round_index)
 
     def _mean_losses(self, losses: dict[int, list[torch.Tensor]]) -> dict[int, float]:
         """Each hosted replica's mean inner loss this round (over its G workers' rows: every
         worker of the replica calls this)."""
-        trainer = self.trainer
+        parts = self.parts
         means = {}
-        for replica in trainer.replicas:
+        for replica in parts.replicas:
             loss = torch.stack(losses[replica.index]).mean().item()
-            if trainer.layout.shard is not None:
-                loss = trainer.layout.shard.mean(loss, trainer.env.device)
+            if parts.layout.shard is not None:
+                loss = parts.layout.shard.mean(loss, parts.env.device)
             means[replica.index] = loss
         return means
 
-    def _inner_steps(self, steps: int, losses: dict[int, list[torch.Tensor]], ends_round: bool,
-                     data_error: str | None) -> tuple[float, str | None]:
+    def _inner_steps(self, round_index: int, steps: int, losses: dict[int, list[torch.Tensor]],
+                     ends_round: bool, data_error: str | None) -> tuple[float, str | None]:
         """`steps` inner steps of every hosted replica, in turn; after a data error, none (the
         ranks stop together at the next check). Returns (seconds, the data error if any)."""
-        trainer = self.trainer
+        parts = self.parts
         started = time.perf_counter()
-        for replica in trainer.replicas:
+        for replica in parts.replicas:
             if data_error is not None:
                 break
             try:
                 losses[replica.index] += replica.run_inner_steps(
-                    trainer.model, trainer.runtime, steps, trainer.cfg.resolved.micro_batch_size,
-                    trainer.layout.shard)
+                    parts.model, parts.runtime, steps, parts.cfg.resolved.micro_batch_size,
+                    parts.layout.shard)
             except DataError as exc:  # a replica's G workers read the same rows: all stop
                 data_error = str(exc)
                 break
-            if ends_round and trainer.env.after_replica is not None:
-                trainer.env.after_replica(trainer.round, replica.index)
+            if ends_round and parts.env.after_replica is not None:
+                parts.env.after_replica(round_index, replica.index)
         return time.perf_counter() - started, data_error
 
     def _start_sync(self, fragment: int, sync_round: int,
@@ -130,24 +129,24 @@ class DiLoCoRounds:
         """Take the hosted replicas' Δ_r of `fragment` and start its outer step: at once, or
         in the background with outer.delay, or over the round's quorum (`losses`: each hosted
         replica's inner losses this round, for the quorum's loss sum)."""
-        trainer = self.trainer
-        outer = trainer.cfg.outer
-        names = trainer.fragments[fragment]
-        diverged = [r.index for r in trainer.replicas if not r.losses_finite]
-        for replica in trainer.replicas:
+        parts = self.parts
+        outer = parts.cfg.outer
+        names = parts.fragments[fragment]
+        diverged = [r.index for r in parts.replicas if not r.losses_finite]
+        for replica in parts.replicas:
             replica.losses_finite = True
         # Without delay or mix, θ_r of the fragment is replaced by the global one right after
         # the step: its storage can hold Δ_r meanwhile.
         in_place = outer.delay == 0 and outer.mix == 0
-        deltas = {r.index: r.pseudo_gradient(trainer.global_params, names, in_place)
-                  for r in trainer.replicas}
-        feedback = ({r.index: r.feedback for r in trainer.replicas} if outer.error_feedback
+        deltas = {r.index: r.pseudo_gradient(parts.global_params, names, in_place)
+                  for r in parts.replicas}
+        feedback = ({r.index: r.feedback for r in parts.replicas} if outer.error_feedback
                     else None)
-        target = {name: trainer.global_params[name] for name in names}
-        if trainer.env.seat is not None:
+        target = {name: parts.global_params[name] for name in names}
+        if parts.env.seat is not None:
             started = time.perf_counter()
-            stats, committed = trainer.outer.quorum_step(target, deltas, sync_round,
-                                                         trainer.env.seat, diverged,
+            stats, committed = parts.outer.quorum_step(target, deltas, sync_round,
+                                                         parts.env.seat, diverged,
                                                          self._mean_losses(losses))
             stats.wait_seconds = time.perf_counter() - started
             self.committed = committed
@@ -155,7 +154,7 @@ class DiLoCoRounds:
             return
 
         def step() -> OuterStepStats:
-            return trainer.outer.step(target, deltas, sync_round, diverged, feedback)
+            return parts.outer.step(target, deltas, sync_round, diverged, feedback)
 
         if self.background is not None:
             self.in_flight[fragment] = self.background.start(step)
@@ -169,7 +168,7 @@ class DiLoCoRounds:
         """Land `fragment`'s sync: its global tensors hold the new values; each replica takes
         them (mixed with its own by outer.mix), or starts again from the global parameters if
         it was left out."""
-        trainer = self.trainer
+        parts = self.parts
         pending = self.in_flight.pop(fragment)
         if isinstance(pending, Future):
             assert self.background is not None
@@ -178,34 +177,36 @@ class DiLoCoRounds:
             stats.wait_seconds = time.perf_counter() - waiting
         else:
             stats = pending
-        shard = trainer.layout.shard
+        shard = parts.layout.shard
         if shard is not None and not stats.skipped:
             # Each position stepped its share of the fragment's tensors (outer/step.py): here,
             # in the training thread like the gradient all-reduce, the replica's workers share
             # them, and what error feedback kept of each.
-            names = trainer.fragments[fragment]
-            shares = trainer.outer.shares({name: trainer.global_params[name].shape
+            names = parts.fragments[fragment]
+            shares = parts.outer.shares({name: parts.global_params[name].shape
                                            for name in names})
             before = stats.comm_seconds
-            with stopwatch(stats, "comm_seconds", trainer.env.device):
-                shard.share(shares, trainer.global_params, trainer.global_params)
-                if trainer.cfg.outer.error_feedback:
-                    for replica in trainer.replicas:
+            with stopwatch(stats, "comm_seconds", parts.env.device):
+                shard.share(shares, parts.global_params, parts.global_params)
+                if parts.cfg.outer.error_feedback:
+                    for replica in parts.replicas:
                         if replica.index not in stats.dropped:
-                            shard.share(shares, replica.feedback, trainer.global_params)
+                            shard.share(shares, replica.feedback, parts.global_params)
             stats.wait_seconds += stats.comm_seconds - before  # training waits for it
         # Healed in the sync: this worker fell behind (paused, slow) and the others went on.
-        # Its replicas go on as a replacement's do, from where the sync's round puts them.
+        # Its replicas go on as a replacement's do, from where the sync's round puts them (not
+        # this worker's own round before it was healed).
         healed = self.committed is not None and self.committed.healed
-        for replica in trainer.replicas:
+        for replica in parts.replicas:
             if healed:
-                replica.rejoin((trainer.round + 1) * trainer.cfg.inner.steps,
-                               trainer.global_params)
+                assert self.committed is not None
+                replica.rejoin((self.committed.round + 1) * parts.cfg.inner.steps,
+                               parts.global_params)
             elif replica.index in stats.dropped:
-                replica.reset(trainer.global_params)
+                replica.reset(parts.global_params)
             else:
-                replica.take_global(trainer.global_params, trainer.fragments[fragment],
-                                    trainer.cfg.outer.mix)
+                replica.take_global(parts.global_params, parts.fragments[fragment],
+                                    parts.cfg.outer.mix)
         return stats
 
     def _wait_for_syncs(self) -> None:
@@ -228,7 +229,7 @@ class DiLoCoRounds:
         contributors = self.committed.contributors
         present = contributors or self.committed.participants
         return {"quorum": self.committed.participants, "contributors": contributors,
-                "missing_workers": [w for w in range(self.trainer.env.world)
+                "missing_workers": [w for w in range(self.parts.env.world)
                                     if w not in present],
                 "sync_attempts": self.committed.attempts,
                 "quorum_wait_seconds": self.committed.quorum_seconds,

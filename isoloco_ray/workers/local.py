@@ -27,7 +27,8 @@ import torch.multiprocessing as mp
 from isoloco_ray import storage
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.stream import read_with_pyarrow
-from isoloco_ray.workers.loop import Trainer, WorkerEnv
+from isoloco_ray.workers.loop import Trainer
+from isoloco_ray.workers.worker_env import WorkerEnv
 from isoloco_ray.workers.round_metrics import Metrics
 
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from transformers import LlamaForCausalLM
 
 from isoloco_ray.config import TrainConfig, config_differences
 from isoloco_ray.data.format import Dataset
-from isoloco_ray.data.stream import ReplicaStream, RowReader, replica_share
+from isoloco_ray.data.stream import ReplicaStream, replica_share
 from isoloco_ray.metrics import RoundMetrics, RunSummary
 from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.agreement import (
@@ -36,7 +35,6 @@ from isoloco_ray.workers.fragments import split_fragments
 from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
 from isoloco_ray.workers.outer.step import OuterSync
-from isoloco_ray.workers.quorum import QuorumSeat
 from isoloco_ray.workers.replica import (
     Replica,
     load_parameters,
@@ -44,6 +42,8 @@ from isoloco_ray.workers.replica import (
     snapshot_parameters,
 )
 from isoloco_ray.workers.round_metrics import Metrics, round_metrics
+from isoloco_ray.workers.round_parts import RoundParts
+from isoloco_ray.workers.worker_env import WorkerEnv
 
 # A final eval loss within this many nats of ln V is no better than a uniform prediction.
 UNIFORM_MARGIN = 1e-3
@@ -53,36 +53,14 @@ JOIN_WAIT_S = 60.0
 JOIN_POLL_S = 0.2
 
 
-@dataclass
-class WorkerEnv:
-    """What the worker loop needs from whoever runs it (Ray Train, a test, a benchmark)."""
-
-    rank: int
-    world: int
-    device: torch.device
-    read_rows: RowReader  # reads row ranges of train shards (Ray Data, or pyarrow)
-    # Called by every rank once per round with the metrics, on checkpoint rounds the
-    # directory holding this rank's checkpoint files (valid only during the call), and whether
-    # this rank is the one that records the run's progress (Trainer.writes_run_files).
-    report: Callable[[Metrics, Path | None, bool], None]
-    restore_from: Path | None = None  # a checkpoint directory to resume from
-    # Given the bytes of a checkpoint (every rank's files), why it will not fit where it goes,
-    # or None; asked on rank 0 before each checkpoint (storage.checkpoint_room).
-    checkpoint_room: Callable[[int], str | None] | None = None
-    # Test hook: called after each replica's inner steps with (round, replica).
-    after_replica: Callable[[int, int], None] | None = None
-    # This worker's seat in each round's torchft quorum (quorum.py): the outer sync runs over
-    # the workers alive that round, and every other collective stays within this worker.
-    seat: QuorumSeat | None = None
-
-
 class Trainer:
     """One worker's training state; everything listed here is what a checkpoint holds."""
 
     layout: WorkerLayout  # hosted replicas and process groups (not state: rebuilt at start)
     dataset: Dataset  # the prepared data, opened once (not state: the run's data.path)
     model: LlamaForCausalLM  # scratch model the hosted replicas take turns in
-    global_params: dict[str, torch.Tensor]  # θ_t, identical on every worker
+    # θ_t, identical on every worker; updated in place, never rebound (the runner holds it).
+    global_params: dict[str, torch.Tensor]
     replicas: list[Replica]  # the replicas this worker hosts (their θ_r, AdamW, stream, ...)
     outer: OuterSync  # outer optimizer (the momentum buffers of the tensors this rank owns)
     # outer.fragments: the tensors synced together (one fragment: all; fragments.py).
@@ -127,8 +105,10 @@ class Trainer:
                                self.layout.workers_per_replica, self.layout.position)
         self.fragments = split_fragments({n: p.shape for n, p in self.global_params.items()},
                                          cfg.outer.fragments)
-        self.runner = (DataParallelRounds(self) if cfg.outer.strategy == "adamw_ddp"
-                       else DiLoCoRounds(self))
+        parts = RoundParts(cfg, env, self.layout, self.model, self.runtime, self.global_params,
+                           self.replicas, self.outer, self.fragments)
+        self.runner = (DataParallelRounds(parts) if cfg.outer.strategy == "adamw_ddp"
+                       else DiLoCoRounds(parts))
         self.round = 0
         self.initial_eval_loss = self.last_eval_loss = None
         self.train_seconds = self.first_round_seconds = 0.0
@@ -206,8 +186,8 @@ class Trainer:
                 f"{', '.join(differing)}; resume with the same configuration or use a new "
                 "run.name")
         # In the model's order (safetensors returns names sorted): merges visit tensors in it.
-        self.global_params = {name: params[name].to(self.env.device)
-                              for name in self.global_params}
+        self.global_params.update({name: params[name].to(self.env.device)
+                                   for name in self.global_params})
         self.outer.load_state_dict(outer_state, {n: p.shape for n, p in params.items()},
                                    self.fragments)
         self.set_counters(checkpoint.read_counters(state, directory / checkpoint.STATE_FILE))
@@ -319,7 +299,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
         while self.round < cfg.resolved.rounds:
             started = time.perf_counter()
-            loss_sum, inner_seconds, stats = self.runner.run_round()
+            loss_sum, inner_seconds, stats = self.runner.run_round(self.round)
             self.round += 1
             if not parameters_finite(self.global_params):
                 raise TrainingStopped(

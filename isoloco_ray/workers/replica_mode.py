@@ -49,7 +49,8 @@ from isoloco_ray.strategies import OuterMerge, Route
 from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.agreement import TrainingStopped
 from isoloco_ray.workers.export import export_into_summary
-from isoloco_ray.workers.loop import Trainer, WorkerEnv
+from isoloco_ray.workers.loop import Trainer
+from isoloco_ray.workers.worker_env import WorkerEnv
 from isoloco_ray.workers.model import parameters_of
 from isoloco_ray.workers.quorum import QuorumSeat
 from isoloco_ray.workers.round_metrics import Metrics

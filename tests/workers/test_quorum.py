@@ -365,7 +365,7 @@ def seated_trainer(cfg, data_dir, rank: int, lighthouse: str, report=None, after
                    read_rows=None):
     """Worker `rank`'s Trainer (no process group) with a quorum seat that heals through it."""
     from isoloco_ray.data.stream import read_with_pyarrow
-    from isoloco_ray.workers.loop import WorkerEnv
+    from isoloco_ray.workers.worker_env import WorkerEnv
     from isoloco_ray.workers.replica_mode import seated_trainer as seated
 
     env = WorkerEnv(rank=rank, world=3, device=torch.device("cpu"),
