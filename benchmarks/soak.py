@@ -28,9 +28,10 @@ Per run (JSON, and a table):
 - `weights_equal_reference`: the run's `model_sha256` equals `run_over_quorums` over the
   contributors metrics.jsonl recorded, bit for bit;
 - `goodput`: the tokens that went into committed syncs over the tokens all W workers would
-  have trained between the first and the last committed sync at their failure-free rate
+  have trained between round 1's and the last committed sync at their failure-free rate
   (the run's median rate over rounds every worker took and no fault touched), and
-  `goodput_bound`, the most these faults allow (`goodput_bound`: pauses only).
+  `goodput_bound`, the most these faults allow (pauses only), and goodput over it
+  (`goodput()`).
 """
 
 from __future__ import annotations
@@ -209,16 +210,7 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
         "wall_seconds": round(result["wall_seconds"], 1)}
     if len(contributors) == rounds and len(commits) > 1:
         tokens_per_replica = cfg.inner.steps * cfg.data.batch_size * cfg.data.seq_len
-        # Rounds every worker took, after one every worker took (no fault near them).
-        clean = [workers * tokens_per_replica
-                 / (by_round[j]["committed_at"] - by_round[j - 1]["committed_at"])
-                 for j in range(3, rounds + 1)
-                 if len(contributors[j - 1]) == len(contributors[j - 2]) == workers]
-        rate = statistics.median(clean) if clean else math.nan
-        committed = sum(len(c) for c in contributors) * tokens_per_replica
-        row["failure_free_tokens_per_s"] = round(rate, 1)
-        row["goodput"] = round(committed / (rate * (commits[-1] - commits[0])), 4)
-        row["goodput_bound"] = goodput_bound(row, commits[-1] - commits[0])
+        row.update(goodput(row, [by_round[j] for j in range(rounds + 1)], tokens_per_replica))
         reference = plain_loop.run_over_quorums(cfg, data, contributors)
         row["weights_equal_reference"] = (summary.get("model_sha256")
                                           == checkpoint.parameters_sha256(reference))
@@ -232,17 +224,33 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
     return row
 
 
-def goodput_bound(row: dict[str, Any], seconds: float) -> float:
-    """The goodput a run with these faults could reach at best: a stopped worker trains
-    nothing while stopped, but a lost one could be replaced at once and nobody need wait, so
-    only the pauses count: 1 - (Σ pauses) / (W x the run's seconds)."""
+def goodput(row: dict[str, Any], records: list[dict[str, Any]],
+            tokens_per_replica: int) -> dict[str, float]:
+    """`failure_free_tokens_per_s`, `goodput`, `goodput_bound` and their ratio from a run's
+    `records` (metrics.jsonl, rounds 0..N). The window runs from round 1's commit to the
+    last: round 0 is the workers' first join and round 1 holds the start of the data
+    pipeline, which a run without faults pays alike. The failure-free rate is the median over
+    rounds every worker took after one every worker took (no fault near them). The bound: a
+    stopped worker trains nothing while stopped, but a lost one could be replaced at once and
+    nobody need wait, so only the pauses count, 1 - (Σ pauses) / (W x the window)."""
+    workers = row["workers"]
+    full = [len(r["contributors"]) == workers for r in records]
+    clean = [workers * tokens_per_replica
+             / (records[j]["committed_at"] - records[j - 1]["committed_at"])
+             for j in range(3, len(records)) if full[j] and full[j - 1]]
+    rate = statistics.median(clean) if clean else math.nan
+    seconds = records[-1]["committed_at"] - records[1]["committed_at"]
+    committed = sum(len(r["contributors"]) for r in records[2:]) * tokens_per_replica
     pauses = sum(fault["pause"] or 0.0 for fault in row["faults"])
-    return round(1 - pauses / (row["workers"] * seconds), 4)
+    achieved, bound = committed / (rate * seconds), 1 - pauses / (workers * seconds)
+    return {"failure_free_tokens_per_s": round(rate, 1), "goodput": round(achieved, 4),
+            "goodput_bound": round(bound, 4), "goodput_of_bound": round(achieved / bound, 4)}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(f"\n{'strategy':<12} {'done':>5} {'faults k+s':>10} {'once':>5} {'restarts':>8} "
-          f"{'Δ loss':>8} {'same θ':>7} {'goodput':>8} {'bound':>6} {'median stall s':>15} "
+          f"{'Δ loss':>8} {'same θ':>7} {'goodput':>8} {'bound':>6} {'of it':>6} "
+          f"{'median stall s':>15} "
           f"{'wall s':>7}")
     for row in rows:
         injected = row["faults_injected"]
@@ -254,6 +262,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{str(row.get('weights_equal_reference')):>7} "
               f"{row.get('goodput', float('nan')):>8.3f} "
               f"{row.get('goodput_bound', float('nan')):>6.3f} "
+              f"{row.get('goodput_of_bound', float('nan')):>6.3f} "
               f"{statistics.median(stalls) if stalls else float('nan'):>15.2f} "
               f"{row['wall_seconds']:>7}")
     total = sum(r["faults_survived"] for r in rows)
