@@ -19,7 +19,7 @@ loaded.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
@@ -67,6 +67,8 @@ class StrategySpec:
     inner_weight_decay: float = 0.1
     fixed: Mapping[str, tuple[Any, str]] = field(default_factory=dict)  # option -> (the only
     # value it may take, what to use instead for another)
+    # option -> its value for R replicas, where the user sets none (the config fills it in).
+    per_replica_defaults: Mapping[str, Callable[[int], Any]] = field(default_factory=dict)
 
     @property
     def has_outer_step(self) -> bool:
@@ -100,7 +102,9 @@ STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in (
                  momentum_is_optional=True),
     StrategySpec("tsv", "TSV-Merge: per-replica top singular vectors, decorrelated", "tsv",
                  dict(inner_lr=2.76e-3, lr=0.6, momentum=0.0, nesterov=False, decorrelate=True),
-                 options=_merge_options("tsv")),
+                 options=_merge_options("tsv"),
+                 # Each replica keeps 1/R of its singular directions: R replicas fill the rank.
+                 per_replica_defaults={"keep_fraction": lambda replicas: 1.0 / replicas}),
     StrategySpec("ties", "TIES: keep the largest entries of each Δ, sign-elected disjoint mean",
                  "ties", dict(inner_lr=2.76e-3, lr=0.7, momentum=0.0, nesterov=False,
                               sparsity=0.1, prune="magnitude", prune_dim="all", rescale=False,

@@ -197,7 +197,7 @@ def strategy_of(params: dict[str, Any]) -> str:
         raise SweepError(f"parameters.strategy: unknown strategy {raw!r} (known: "
                          f"{', '.join(RESEARCH_STRATEGIES)})")
     strategy = RESEARCH_STRATEGIES[raw]
-    if (strategy == "ties" and str(params.get("prune_method", "")).lower() == "random"
+    if (raw == "mergeloco" and str(params.get("prune_method", "")).lower() == "random"
             and as_bool("rescale_pruned", params.get("rescale_pruned", "false"))
             and not as_bool("ties_disjoint", params.get("ties_disjoint", "true"))):
         return "dare"
@@ -239,7 +239,7 @@ def convert_combination(params: dict[str, Any], nproc: int, notes: Notes) -> dic
                     "orthogonalize_object": "outer.orthogonalize"}[key]
             put(key, path, choice(key, value))
     if "inner_learning_rate" in params:
-        if strategy == "adamw_ddp":
+        if not STRATEGIES[strategy].has_outer_step:
             notes.leave_out("inner_learning_rate", strategy)  # its lr: outer_learning_rate
         else:
             out["inner.lr"] = as_number("inner_learning_rate", params["inner_learning_rate"],
@@ -247,7 +247,7 @@ def convert_combination(params: dict[str, Any], nproc: int, notes: Notes) -> dic
     if "outer_learning_rate" in params:
         lr = as_number("outer_learning_rate", params["outer_learning_rate"], "float")
         # The research code's AdamW baseline takes its (only) lr from outer_learning_rate.
-        if strategy == "adamw_ddp":
+        if not STRATEGIES[strategy].has_outer_step:
             out["inner.lr"] = lr
         else:
             out["outer.lr"] = lr

@@ -90,3 +90,22 @@ def test_the_configuration_and_the_registry_never_import_the_workers():
     for name in readers:
         imports = runtime_imports(MODULES[name], typing_too=True)
         assert not [i for i in imports if i.startswith("isoloco_ray.workers")], name
+
+
+def test_no_code_but_the_registry_tests_a_strategys_name():
+    """What a strategy does is read off its registry entry (strategies.py), never decided by
+    comparing `outer.strategy` with a name elsewhere: a new strategy is one entry. The
+    aggregators compare merge names of their own table (MERGES), which is theirs."""
+    from isoloco_ray.strategies import STRATEGIES
+
+    found = []
+    for name, path in MODULES.items():
+        if name == "isoloco_ray.strategies" or name.startswith("isoloco_ray.aggregators"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                names = [side.value for side in sides if isinstance(side, ast.Constant)]
+                if any(isinstance(n, str) and n in STRATEGIES for n in names):
+                    found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []

@@ -319,6 +319,12 @@ class OuterConfig(Section):
         "mix·local + (1 − mix)·global of it (0: takes the global, as DiLoCo)")
 
     @property
+    def has_outer_step(self) -> bool:
+        """The registry's word (strategies.StrategySpec): False for the data-parallel
+        baseline, whose gradients are all-reduced every inner step (adamw_ddp)."""
+        return STRATEGIES[self.strategy].has_outer_step
+
+    @property
     def streaming(self) -> bool:
         """Whether replicas keep parameters of their own between syncs (fragments, delay or
         mix): then they are part of a checkpoint."""
@@ -330,7 +336,7 @@ class OuterConfig(Section):
             raise ValueError("outer.error_feedback corrects what the transport loses, and float32 "
                              "without outer.topk loses nothing: set outer.comm_dtype to int8, "
                              "float8 or bfloat16, or outer.topk, or turn error_feedback off")
-        if self.error_feedback and self.strategy == "adamw_ddp":
+        if self.error_feedback and not self.has_outer_step:
             raise ValueError("outer.error_feedback has no effect with adamw_ddp (it has no outer "
                              "sync): turn it off")
         return self

@@ -60,8 +60,9 @@ class TrainConfig(Section):
                              "or --outer.nesterov=false")
         self._check_outer_effective()
         self._check_fault_tolerance()
-        if self.outer.strategy == "tsv" and self.outer.keep_fraction is None:
-            self.outer.keep_fraction = 1.0 / self.scaling.replicas
+        for option, default in spec.per_replica_defaults.items():
+            if getattr(self.outer, option) is None:
+                setattr(self.outer, option, default(self.scaling.replicas))
         if self.run.token_budget is not None:
             rounds = self.run.token_budget // self.tokens_per_round
             # A resolved config carries both; only a disagreement is the user's error.
@@ -98,7 +99,7 @@ class TrainConfig(Section):
         (checked on resolved values: a value equal to the harmless one, as a resolved config
         holds, passes)."""
         outer, preset = self.outer, STRATEGIES[self.outer.strategy].paper
-        if outer.strategy == "adamw_ddp":
+        if not outer.has_outer_step:
             inert = [f"outer.{name}={getattr(outer, name)}" for name, harmless in
                      (("comm_dtype", "float32"), ("topk", None), ("placement", "sharded"))
                      if getattr(outer, name) != harmless]
@@ -141,7 +142,7 @@ class TrainConfig(Section):
             raise ValueError("outer.placement=rank0 has no effect with scaling.fault_tolerance: "
                              "replica (every worker merges the quorum's sum: rank 0 may be "
                              "gone); remove it")
-        if outer.strategy == "adamw_ddp":
+        if not outer.has_outer_step:
             unsupported.append("outer.strategy adamw_ddp (it all-reduces every inner step)")
         else:
             if outer.comm_dtype != "float32" or outer.topk is not None:
@@ -158,7 +159,7 @@ class TrainConfig(Section):
 
     def _check_streaming(self) -> None:
         outer, steps = self.outer, self.inner.steps
-        if outer.streaming and outer.strategy == "adamw_ddp":
+        if outer.streaming and not outer.has_outer_step:
             raise ValueError("outer.fragments, outer.delay and outer.mix shape the outer sync, "
                              "and adamw_ddp has none: leave them at 1, 0 and 0")
         if steps % outer.fragments:

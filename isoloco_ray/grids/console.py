@@ -61,7 +61,7 @@ def print_trials(trials: list[Trial]) -> None:
               f"{'GPU ' if cfg.scaling.use_gpu else ''}worker{'s' if workers > 1 else ''}, "
               f"{cfg.run.rounds} rounds x H={cfg.inner.steps}, "
               f"{cfg.run.rounds * cfg.tokens_per_round:,} tokens, inner lr {cfg.inner.lr:g}"
-              + ("" if cfg.outer.strategy == "adamw_ddp" else f", outer lr {cfg.outer.lr:g}")
+              + (f", outer lr {cfg.outer.lr:g}" if cfg.outer.has_outer_step else "")
               + f" | {describe(trial.overrides)}")
 
 

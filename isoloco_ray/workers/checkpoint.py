@@ -45,6 +45,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from isoloco_ray.strategies import STRATEGIES
+
 FORMAT = 2  # 2: no RNG state (format 1 held one that nothing used)
 STATE_FILE = "state.json"
 GLOBAL_FILE = "global.safetensors"
@@ -277,7 +279,8 @@ def checkpoint_problems(directory: Path) -> list[str]:
         replica_paths = sorted(directory.glob("replica_*.pt"))
     for path in replica_paths:
         _check_torch_state(path, REPLICA_KEYS, "a replica state", problems)
-    if state is not None and state["config"].get("outer", {}).get("strategy") == "adamw_ddp":
+    strategy = None if state is None else state["config"].get("outer", {}).get("strategy")
+    if strategy in STRATEGIES and not STRATEGIES[strategy].has_outer_step:  # its optimizer
         _check_torch_state(directory / DATA_PARALLEL_FILE, DATA_PARALLEL_KEYS,
                            "the data-parallel optimizer", problems)
     outer = state["outer"] if state is not None else None

@@ -107,8 +107,8 @@ class Trainer:
                                          cfg.outer.fragments)
         parts = RoundParts(cfg, env, self.layout, self.model, self.runtime, self.global_params,
                            self.replicas, self.outer, self.fragments)
-        self.runner = (DataParallelRounds(parts) if cfg.outer.strategy == "adamw_ddp"
-                       else DiLoCoRounds(parts))
+        self.runner = (DiLoCoRounds(parts) if cfg.outer.has_outer_step
+                       else DataParallelRounds(parts))
         self.round = 0
         self.initial_eval_loss = self.last_eval_loss = None
         self.train_seconds = self.first_round_seconds = 0.0
@@ -126,7 +126,7 @@ class Trainer:
         evaluation loads those into the module), and for adamw_ddp's replicas, which only
         supply batches."""
         outer = self.cfg.outer
-        return outer.strategy == "adamw_ddp" or (len(self.layout.hosted) == 1
+        return not outer.has_outer_step or (len(self.layout.hosted) == 1
                                                  and not outer.streaming)
 
     # -- checkpoints ---------------------------------------------------------------------------
