@@ -3,7 +3,10 @@
 Runs the workers' own `Trainer` in this process with a WorkerEnv on the chosen device (what a
 Ray Train worker gets, without Ray; `workers.local.run_local` is CPU-only), on a synthetic
 dataset prepared locally (no network: a BPE trained on generated text), and prints each
-strategy's last round: inner seconds, merge seconds, tokens/s.
+strategy's last round: inner seconds, merge seconds, tokens/s; and on a GPU the worker's peak
+memory (torch.cuda.max_memory_allocated) against gpu_memory's estimate for the run, the figure
+`python -m isoloco_ray.train` checks before a GPU run (on CPU: the estimate, the measurement
+skipped).
 
     python benchmarks/gpu_round.py --strategies isoloco tsv                      # on a GPU
     python benchmarks/gpu_round.py --device cpu --preset tiny --steps 1 --rounds 1  # quick check
@@ -12,16 +15,21 @@ strategy's last round: inner seconds, merge seconds, tokens/s.
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
+import torch
 
+from isoloco_ray import gpu_memory
 from isoloco_ray.config import ModelConfig, TrainConfig
 from isoloco_ray.testing import synthetic_documents
 from isoloco_ray.workers.local import local_env
 from isoloco_ray.workers.loop import Trainer
+from isoloco_ray.workers.model import parameter_shapes
+
 
 def synthetic_data(out: Path, documents: int, block_len: int) -> Path:
     """A prepared dataset of generated sentences in `out` (reused when already there)."""
@@ -66,8 +74,35 @@ def run_strategy(args: argparse.Namespace, strategy: str, data_dir: Path) -> dic
     })
     reports: list[dict] = []
     env = local_env(reports=reports, device=args.device)
-    Trainer(cfg, data_dir, env).run()
-    return reports[-1]
+    cuda = env.device.type == "cuda"
+    if cuda:  # the peak of this strategy's worker alone, not of the one before
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(env.device)
+    trainer = Trainer(cfg, data_dir, env)
+    trainer.run()
+    vocab = trainer.dataset.meta.vocab_size
+    memory = gpu_memory.estimate(cfg, parameter_shapes(cfg.model, vocab), vocab)
+    return {**reports[-1], "memory": memory_line(strategy, memory, env.device)}
+
+
+def memory_line(strategy: str, memory: gpu_memory.GpuMemory, device: torch.device) -> str:
+    """gpu_memory's estimate for this run's worker (what `train` checks before a GPU run and
+    prints as "GPU memory per worker") against the peak torch's allocator measured. The
+    estimate's peak counts RUNTIME_BYTES for the CUDA context and the allocator's slack, which
+    max_memory_allocated leaves out: the tensors are compared without it."""
+    estimated = (memory.peak_bytes - gpu_memory.RUNTIME_BYTES) / gpu_memory.GIB
+    if device.type != "cuda":
+        return (f"memory {strategy}: estimated peak {estimated:.2f} GiB of tensors (state "
+                f"{memory.state_bytes / gpu_memory.GIB:.2f}); measured: skipped on "
+                f"{device.type} (torch.cuda.max_memory_allocated needs a GPU)")
+    allocated = torch.cuda.max_memory_allocated(device) / gpu_memory.GIB
+    reserved = torch.cuda.max_memory_reserved(device) / gpu_memory.GIB
+    runtime = gpu_memory.RUNTIME_BYTES / gpu_memory.GIB
+    return (f"memory {strategy}: estimated peak {estimated:.2f} GiB of tensors (state "
+            f"{memory.state_bytes / gpu_memory.GIB:.2f}, + {runtime:.0f} runtime), measured "
+            f"{allocated:.2f} allocated, {reserved:.2f} reserved: measured/estimated "
+            f"{allocated / estimated:.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{m['round']}: {m['round_seconds']:.2f}s (inner {m['inner_seconds']:.2f}s, "
                   f"merge {m['outer_merge_seconds']:.3f}s, comm {m['outer_comm_seconds']:.3f}s)"
                   f" {m['tokens_per_s']:,.0f} tok/s, loss {m['loss']:.3f}", flush=True)
+            print(m["memory"], flush=True)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

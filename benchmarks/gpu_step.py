@@ -111,11 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(result))
         return
+    # torch.cuda.max_memory_allocated measures a GPU only: on CPU the estimate stands alone.
+    peak = (f"{result['peak_mem_gib']:.1f} GiB" if str(result["device"]).startswith("cuda")
+            else "not measured on cpu")
     print(f"{result['preset']:>5} {result['params'] / 1e6:7.1f}M  bf16={result['bf16']!s:5} "
           f"compile={result['compile']!s:5} batch {result['batch']}x{result['seq_len']}: "
           f"{result['step_ms']:8.1f} ms/step {result['tokens_per_s']:>12,.0f} tok/s "
-          f"MFU {100 * result['mfu']:5.1f}%  peak mem {result['peak_mem_gib']:.1f} GiB "
-          f"(estimated {result['estimated_mem_gib']:.1f})")
+          f"MFU {100 * result['mfu']:5.1f}%  peak mem {peak} "
+          f"(estimated {result['estimated_mem_gib']:.1f} GiB)")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.sh's dry run (--cpu): the one-GPU check's every step, at CPU sizes, so
-the script a lent GPU runs is known to work before it gets one."""
+the script a lent GPU runs is known to work before it gets one; and that the steps before its
+Ray step need no Ray, torchft or wandb, which the lent machine's image lacks."""
 
 from __future__ import annotations
 
@@ -26,3 +27,48 @@ def test_the_dry_run_passes_every_check_and_writes_the_table(tmp_path, own_ray):
     assert all(": ok " in line for line in agree)
     assert [row["result"] for row in rows if row["check"].startswith("train")][0].startswith(
         "final eval loss ")
+
+
+# What the lent GPU machine's image lacks (docs/cluster.md "The one-GPU check"): the checks
+# before the Ray step must run without them.
+ABSENT = ("ray", "torchft", "wandb")
+
+
+def unimportable(tmp_path: Path, names: tuple[str, ...]) -> Path:
+    """A folder for PYTHONPATH whose sitecustomize makes `names` unimportable in every Python
+    process started with it (the script starts one per check). None in sys.modules: `import`
+    raises ImportError, and importlib.util.find_spec, with which transformers probes optional
+    packages, answers None as for an absent one."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        f"import sys\nsys.modules.update(dict.fromkeys({list(names)!r}))\n")
+    return site
+
+
+def test_the_torch_only_checks_import_without_ray_torchft_and_wandb(tmp_path):
+    code = ("import sys\n"
+            "try:\n    import ray\nexcept ImportError:\n    pass\n"
+            "else:\n    sys.exit('ray is still importable: the test checks nothing')\n"
+            "sys.path.insert(0, 'benchmarks')\n"
+            "import gpu_step, gpu_round, merge, gpu_agree\n"
+            "print('imported')\n")
+    env = {**os.environ, "PYTHONPATH": f"{unimportable(tmp_path, ABSENT)}:{ROOT}"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.split() == ["imported"]
+
+
+def test_without_ray_the_script_skips_its_ray_step_with_one_row(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+           "PYTHONPATH": str(unimportable(tmp_path, ABSENT)), "CHECKS": "train"}
+    out = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--cpu"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "gpu_check.json").read_text())["rows"]
+    assert [row["check"] for row in rows] == ["train"]
+    assert rows[0]["result"].startswith("SKIPPED: ")
+    assert "cannot import ray" in rows[0]["result"]
+    assert [line for line in out.stderr.splitlines() if "cannot import ray" in line] == [
+        rows[0]["result"]]
