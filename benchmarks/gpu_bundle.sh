@@ -10,8 +10,8 @@
 # image has none or an older one. Ray (79 MB for cp312), torchft and wandb are left out: the
 # check's Ray step is skipped without them.
 #
-# Versions: those of the dev venv ($PYTHON's environment, `pip freeze`) where it has the
-# package, else the pins below (the dev venv's when this was written). Prints the bundle's files
+# Versions: those of the checkout's dev venv (.venv) where it has the package, else the pins
+# below (the dev venv's when this was written). Prints the bundle's files
 # and what bringing it costs: the repository's files plus the bundle must stay under 64 MiB.
 #
 #   bash benchmarks/gpu_bundle.sh                # writes .gpu_bundle/ (replacing what is there)
@@ -19,7 +19,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-.venv/bin/python}
+PYTHON=${PYTHON:-python3}   # runs pip
+DEV_VENV=.venv/bin/python   # whose versions the bundle takes, where the checkout has it
 BUNDLE=${BUNDLE:-.gpu_bundle}
 LIMIT=$((64 * 1024 * 1024))   # what the GPU machine takes along: the repository and its extras
 # The closure of pydantic, pydantic-settings and universal_pathlib (each one's Requires-Dist).
@@ -31,8 +32,9 @@ PINS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspe
 TARGET=(--only-binary=:all: --platform manylinux2014_x86_64 --python-version 3.12
         --implementation cp --abi cp312)
 
-# Each pin, at the dev venv's version where it has the package.
-mapfile -t REQS < <("$PYTHON" - "${PINS[@]}" <<'PY'
+# Each pin, at the dev venv's version where it has the package (a clean clone: the pins).
+REQS=("${PINS[@]}")
+[[ -x $DEV_VENV ]] && mapfile -t REQS < <("$DEV_VENV" - "${PINS[@]}" <<'PY'
 import importlib.metadata as md
 import sys
 
