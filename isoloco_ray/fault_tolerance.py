@@ -31,13 +31,11 @@ JOIN_TIMEOUT_MS = 30_000
 def timeouts() -> dict[str, float]:
     """The workers' bounds, in seconds (docs/fault_tolerance.md), read on the driver: a
     collective of the quorum fails after `collective`, a worker waits `quorum` for a quorum
-    (longer than a round: a replacement waits for the others' next sync); the lighthouse
-    drops a worker silent for `heartbeat`."""
+    (longer than a round: a replacement waits for the others' next sync)."""
     from isoloco_ray.env_settings import read_env
 
     env = read_env()
-    return {"collective": env.ft_timeout_s, "quorum": env.ft_quorum_timeout_s,
-            "heartbeat": env.ft_heartbeat_timeout_s}
+    return {"collective": env.ft_timeout_s, "quorum": env.ft_quorum_timeout_s}
 
 
 def check_torchft_available(cfg: TrainConfig) -> None:
@@ -69,11 +67,13 @@ def min_quorum(workers: int) -> int:
 def torchft_backend(cfg: TrainConfig, joined: bool) -> Any:
     """Ray Train's torchft backend (TorchTrainer's torch_config) for a `replica` run. The
     lighthouse listens on loopback on a local cluster; on a joined one the workers on other
-    nodes must reach it (docs/fault_tolerance.md: ports)."""
+    nodes must reach it (docs/fault_tolerance.md: ports). It drops a worker silent for
+    ISOLOCO_RAY_FT_HEARTBEAT_TIMEOUT_S."""
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
-    heartbeat_ms = round(timeouts()["heartbeat"] * 1000)
+    from isoloco_ray.env_settings import read_env
 
+    heartbeat_ms = round(read_env().ft_heartbeat_timeout_s * 1000)
     return TorchftConfig(
         lighthouse_kwargs={"bind": "[::]:0" if joined else "127.0.0.1:0",
                            "min_replicas": min_quorum(cfg.scaling.num_workers),

@@ -127,7 +127,7 @@ class Trainer:
         supply batches."""
         outer = self.cfg.outer
         return not outer.has_outer_step or (len(self.layout.hosted) == 1
-                                                 and not outer.streaming)
+                                            and not outer.streaming)
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -73,11 +73,11 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
     the sum of its replicas' Δ_r (in replica order); the mean is those sums added in rank
     order, over the number of replicas in them (each Δ_r pruned first where the merge is the
     mean of pruned Δ_r: dare, ties without disjoint), merged and applied by the outer
-    optimizer. A
-    merge of every Δ_r (tsv, isocts, ties) is OuterSync's step over the replicas present, in
-    replica order, keyed by round j (random masks). A worker absent from round j has its
-    replicas start round j+1 from θ with fresh AdamW moments, their LR schedule and stream
-    where (j+1)·H steps leave them (Replica.rejoin). No streaming settings."""
+    optimizer. A merge of every Δ_r (tsv, isocts, ties) is OuterSync's step over the
+    replicas present, in replica order, keyed by round j (random masks). A worker absent from
+    round j has its replicas start round j+1 from θ with fresh AdamW moments, their LR
+    schedule and stream where (j+1)·H steps leave them (Replica.rejoin). No streaming
+    settings."""
     replicas = make_replicas(cfg, data_dir)
     hosted = cfg.scaling.replicas_per_worker
     theta = {n: p.detach().clone() for n, p in replicas[0][0].named_parameters()}

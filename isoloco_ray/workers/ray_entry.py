@@ -26,8 +26,8 @@ from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.export import export_into_summary
 from isoloco_ray.workers.layout import placement_warning
 from isoloco_ray.workers.loop import Trainer
-from isoloco_ray.workers.worker_env import WorkerEnv
 from isoloco_ray.workers.round_metrics import Metrics
+from isoloco_ray.workers.worker_env import WorkerEnv
 
 
 def fault_once_hook(spec: str | None) -> Callable[[int, int], None] | None:

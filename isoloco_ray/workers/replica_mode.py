@@ -50,10 +50,10 @@ from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.agreement import TrainingStopped
 from isoloco_ray.workers.export import export_into_summary
 from isoloco_ray.workers.loop import Trainer
-from isoloco_ray.workers.worker_env import WorkerEnv
 from isoloco_ray.workers.model import parameters_of
 from isoloco_ray.workers.quorum import QuorumSeat
 from isoloco_ray.workers.round_metrics import Metrics
+from isoloco_ray.workers.worker_env import WorkerEnv
 
 # How long a worker may go on once the run's result is written (its last checkpoint files may
 # still be uploading), and how often it looks for the result.
