@@ -3,18 +3,20 @@ checked against the plain reference (issue 46, stage 4).
 
     python benchmarks/chaos.py OUT_DIR --soak [--faults 100] [--workers 5] [--seed 0]
         [--strategies diloco,diloco_sgd,isoc,isoloco,isocts,tsv,ties-random,dare]
-        [--json PATH] [train flags]
+        [--kill-share 0.4] [--slow-share 0] [--fault-gap 2] [--json PATH] [train flags]
 
-One run per strategy (tiny model, one replica per worker, H = 2; each worker's round padded to
-a second by sleeping, as a worker waiting on its accelerator, `--round-floor`: five workers
-computing without it share this machine's two cores, and goodput would measure their
-contention), each a `python -m isoloco_ray.train` process on its own local Ray cluster, with
-its share of the faults, mixed and seeded (workers/ray_entry.py fault_once_hook): SIGKILL of a
-worker (rank 0 included: the first fault of the soak is rank 0's), or SIGSTOP for 5-60 s then
-SIGCONT. Faults are placed a few rounds apart, at most W - ⌊W/2⌋ - 1 workers out at once (a
-majority stays) and no two SIGKILLs within a replacement's start of each other (Ray 2.60
-restarts every worker then: docs/fault_tolerance.md); a fault planned for a worker that is
-still out when its round comes does not fire, and only those that fired count.
+One run per strategy (tiny model, one replica per worker, H = 4; each worker's step padded to
+a quarter of a second by sleeping, as a worker waiting on its accelerator, `--round-floor`:
+five workers computing without it share this machine's two cores, and goodput would measure
+their contention), each a `python -m isoloco_ray.train` process on its own local Ray cluster,
+with its share of the faults, mixed and seeded (workers/ray_entry.py FaultHooks): SIGKILL of a
+worker (rank 0 included: the first fault of the soak is rank 0's), SIGSTOP for 5-60 s then
+SIGCONT, or (`--slow-share`) a slowdown of 2-10x for 5-60 s, in which the straggler deadline
+cuts the worker's rounds short (scaling.straggler_deadline). Faults are placed a few rounds
+apart, at most W - ⌊W/2⌋ - 1 workers out at once (a majority stays) and no two SIGKILLs within
+a replacement's start of each other (Ray 2.60 restarts every worker then:
+docs/fault_tolerance.md); a fault planned for a worker that is still out (or slowed) when its
+round comes does not fire, and only those that fired count.
 
 Per run (JSON, and a table):
 - `faults_injected` (kills, stops), `faults_survived` (injected in a run that completed);
@@ -26,7 +28,8 @@ Per run (JSON, and a table):
   worker in every round (workers/plain_loop.py `run_over_quorums`, which a run without
   faults equals bit for bit), scored on the same validation tokens;
 - `weights_equal_reference`: the run's `model_sha256` equals `run_over_quorums` over the
-  contributors metrics.jsonl recorded, bit for bit;
+  contributors and replica steps metrics.jsonl recorded, bit for bit;
+- `rounds_with_partial_replicas`: rounds in which a straggler's steps were cut short;
 - `goodput`: the tokens that went into committed syncs over the tokens all W workers would
   have trained between round 1's and the last committed sync at their failure-free rate
   (the run's median rate over rounds every worker took and no fault touched), and
@@ -56,7 +59,8 @@ STRATEGIES = {"diloco": [], "diloco_sgd": [], "isoc": [], "isoloco": [], "isocts
               "tsv": [], "ties-random": ["--outer.strategy=ties", "--outer.prune=random"],
               "dare": []}
 RUN_TIMEOUT_S = 3600  # each training process; a hang costs this, not the session
-PAUSE_S = (5.0, 60.0)  # SIGSTOP durations, uniform
+PAUSE_S = (5.0, 60.0)  # SIGSTOP durations and slowdowns' lengths, uniform
+SLOW_FACTOR = (2.0, 10.0)  # how many times slower a slowed worker is, uniform
 KILL_SHARE = 0.4  # the rest are SIGSTOPs
 FAULT_GAP_S = 2.0  # between two faults
 # How long a worker is out after a fault, beyond a pause: a SIGKILLed one until Ray Train has
@@ -65,6 +69,7 @@ FAULT_GAP_S = 2.0  # between two faults
 KILL_OUT_S, STOP_EXTRA_S = 15.0, 3.0
 WARMUP_ROUNDS, TAIL_S = 4, 5.0  # without faults, at the start and the end of a run
 CHECKPOINT_EVERY = 20  # rounds: checkpoints are taken between faults, and across them
+INNER_STEPS = 4  # H: a straggler's partial round takes 1 to 3 of them
 
 
 @dataclass
@@ -74,41 +79,77 @@ class Fault:
     round: int
     worker: int
     pause: float | None  # SIGSTOP for this many seconds; None: SIGKILL
+    # A slowdown instead: the worker this many times slower for `slow_seconds` (alive,
+    # heartbeating: a throttled or shared machine).
+    slow: float | None = None
+    slow_seconds: float | None = None
 
     def spec(self, marker: Path) -> str:
         """Its ISOLOCO_RAY_KILL_AT item (one replica per worker: replica = worker)."""
-        action = "" if self.pause is None else f"stop={self.pause:g}:"
+        if self.slow is not None:
+            action = f"slow={self.slow:g}/{self.slow_seconds:g}:"
+        else:
+            action = "" if self.pause is None else f"stop={self.pause:g}:"
         return f"{self.round}:{self.worker}:{action}{marker}"
+
+    @property
+    def kind(self) -> str:
+        """kill, stop or slow."""
+        return "slow" if self.slow is not None else "kill" if self.pause is None else "stop"
+
+    @property
+    def lost_seconds(self) -> float:
+        """Worker-seconds of training this fault takes at the least (goodput_bound): a pause's
+        length, a slowdown's (1 − 1/F) of its length; a kill none (a replacement could be up at
+        once)."""
+        if self.slow is not None:
+            assert self.slow_seconds is not None
+            return self.slow_seconds * (1 - 1 / self.slow)
+        return self.pause or 0.0
 
 
 def plan_faults(count: int, workers: int, round_seconds: float, rng: random.Random,
-                rank_0_first: bool) -> tuple[list[Fault], int]:
+                rank_0_first: bool, slow_share: float = 0.0, gap_s: float = FAULT_GAP_S,
+                kill_share: float = KILL_SHARE) -> tuple[list[Fault], int]:
     """`count` faults placed as the module's docstring says, in rounds of `round_seconds`
-    (the 5 s that the survivors wait for a faulted worker's heartbeat aside); returns them and
-    the rounds the run needs."""
+    (the 5 s that the survivors wait for a faulted worker's heartbeat aside), `kill_share` of
+    them SIGKILLs, `slow_share` slowdowns, the rest SIGSTOPs, at least `gap_s` apart; returns
+    them and the rounds the run needs. A slowed worker is not out (it takes part), but gets no
+    other fault while slowed."""
     def rounds(seconds: float) -> int:
         return math.ceil(seconds / round_seconds)
 
     most_out = workers - (workers // 2 + 1)
     back_at = [0] * workers  # the round each worker is expected back by
+    slowed_until = [0] * workers
     next_kill = 0
     faults: list[Fault] = []
     cursor = WARMUP_ROUNDS
     while len(faults) < count:
-        kill = (rank_0_first and not faults) or rng.random() < KILL_SHARE
-        free = [w for w in range(workers) if back_at[w] <= cursor]
-        if not free or workers - len(free) >= most_out or (kill and cursor < next_kill):
+        draw = rng.random()
+        kill = (rank_0_first and not faults) or draw < kill_share
+        slow = not kill and draw >= 1 - slow_share  # slow_share <= 1 - kill_share
+        out = sum(back_at[w] > cursor for w in range(workers))
+        free = [w for w in range(workers) if back_at[w] <= cursor and slowed_until[w] <= cursor]
+        if (not free or (not slow and out >= most_out)
+                or (kill and cursor < next_kill)):
             cursor += 1
             continue
         worker = 0 if rank_0_first and not faults else rng.choice(free)
-        pause = None if kill else round(rng.uniform(*PAUSE_S), 1)
-        faults.append(Fault(cursor, worker, pause))
-        if pause is None:
+        if slow:
+            seconds = round(rng.uniform(*PAUSE_S), 1)
+            faults.append(Fault(cursor, worker, None, slow=round(rng.uniform(*SLOW_FACTOR), 1),
+                                slow_seconds=seconds))
+            slowed_until[worker] = cursor + rounds(seconds)
+        elif kill:
+            faults.append(Fault(cursor, worker, None))
             back_at[worker] = next_kill = cursor + rounds(KILL_OUT_S)
         else:
+            pause = round(rng.uniform(*PAUSE_S), 1)
+            faults.append(Fault(cursor, worker, pause))
             back_at[worker] = cursor + rounds(pause + STOP_EXTRA_S)
-        cursor += rounds(FAULT_GAP_S)
-    return faults, max(cursor, max(back_at)) + rounds(TAIL_S)
+        cursor += rounds(gap_s)
+    return faults, max(cursor, max(back_at), max(slowed_until)) + rounds(TAIL_S)
 
 
 def train_flags(workers: int, rounds: int, data: Path, extra: list[str]) -> list[str]:
@@ -116,7 +157,8 @@ def train_flags(workers: int, rounds: int, data: Path, extra: list[str]) -> list
     return ["--model.preset=tiny", f"--data.path={data}", "--data.seq_len=32",
             "--data.batch_size=2", f"--scaling.replicas={workers}",
             "--scaling.replicas_per_worker=1", "--scaling.fault_tolerance=replica",
-            "--scaling.cpus_per_worker=1", f"--run.num_cpus={workers + 2}", "--inner.steps=2",
+            "--scaling.cpus_per_worker=1", f"--run.num_cpus={workers + 2}",
+            f"--inner.steps={INNER_STEPS}",
             f"--run.rounds={rounds}", f"--run.checkpoint_every={CHECKPOINT_EVERY}",
             f"--run.eval_every={rounds}",
             "--run.eval_tokens=2048", "--run.max_failures=-1", *extra]
@@ -138,10 +180,11 @@ def prepare_data(out: Path) -> Path:
 def train(name: str, flags: list[str], out: Path, faults: list[Fault],
           round_floor: float) -> dict[str, Any]:
     """One training process with `faults` armed and each worker's rounds padded to
-    `round_floor` seconds; its exit status, wall time and fault times."""
+    `round_floor` seconds (each of its H steps to 1/H of it); its exit status, wall time and
+    fault times."""
     markers = [out / f"{name}-fault-{i}" for i in range(len(faults))]
     env = dict(os.environ, ISOLOCO_RAY_KILL_AT=",".join(
-        [f"floor={round_floor:g}"] * (round_floor > 0)
+        [f"floor={round_floor / INNER_STEPS:g}"] * (round_floor > 0)
         + [fault.spec(marker) for fault, marker in zip(faults, markers)]))
     command = [sys.executable, "-m", "isoloco_ray.train", *flags, f"--run.name={name}",
                f"--run.storage_path={out}"]
@@ -198,8 +241,8 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
     row: dict[str, Any] = {
         "strategy": name, "rounds": rounds, "workers": workers, "run_completed": completed,
         "faults_planned": len(faults),
-        "faults_injected": {"kill": sum(f.pause is None for f, _ in fired),
-                            "stop": sum(f.pause is not None for f, _ in fired)},
+        "faults_injected": {kind: sum(f.kind == kind for f, _ in fired)
+                            for kind in ("kill", "stop", "slow")},
         "faults_survived": len(fired) if completed else 0,
         "faults": [{**asdict(f), "at": at} for f, at in fired],
         "rounds_reported_once": [r["round"] for r in records] == list(range(rounds + 1)),
@@ -209,9 +252,13 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
         "final_eval_loss": summary.get("final_eval_loss"),
         "wall_seconds": round(result["wall_seconds"], 1)}
     if len(contributors) == rounds and len(commits) > 1:
-        tokens_per_replica = cfg.inner.steps * cfg.data.batch_size * cfg.data.seq_len
-        row.update(goodput(row, [by_round[j] for j in range(rounds + 1)], tokens_per_replica))
-        reference = plain_loop.run_over_quorums(cfg, data, contributors)
+        row.update(goodput(row, [by_round[j] for j in range(rounds + 1)],
+                           cfg.data.batch_size * cfg.data.seq_len, cfg.inner.steps,
+                           [f for f, _ in fired]))
+        steps = [by_round[j]["replica_steps"] for j in range(1, rounds + 1)]
+        row["rounds_with_partial_replicas"] = sum(
+            any(0 < taken < cfg.inner.steps for taken in s) for s in steps)
+        reference = plain_loop.run_over_quorums(cfg, data, contributors, steps)
         row["weights_equal_reference"] = (summary.get("model_sha256")
                                           == checkpoint.parameters_sha256(reference))
         # Scored as the failure-free θ is: equal to the run's own final eval loss.
@@ -224,31 +271,35 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
     return row
 
 
-def goodput(row: dict[str, Any], records: list[dict[str, Any]],
-            tokens_per_replica: int) -> dict[str, float]:
+def goodput(row: dict[str, Any], records: list[dict[str, Any]], tokens_per_step: int,
+            steps: int, faults: list[Fault]) -> dict[str, float]:
     """`failure_free_tokens_per_s`, `goodput`, `goodput_bound` and their ratio from a run's
     `records` (metrics.jsonl, rounds 0..N). The window runs from round 1's commit to the
     last: round 0 is the workers' first join and round 1 holds the start of the data
     pipeline, which a run without faults pays alike. The failure-free rate is the median over
     rounds every worker took after one every worker took (no fault near them). The bound: a
     stopped worker trains nothing while stopped, but a lost one could be replaced at once and
-    nobody need wait, so only the pauses count, 1 - (Σ pauses) / (W x the window)."""
+    nobody need wait, so only the pauses count, and of a slowdown by F what it leaves
+    untrained, 1 - (Σ pauses + Σ (1 - 1/F)·length) / (W x the window). The tokens committed
+    are each round's replicas' steps (a straggler's partial round: fewer than H) x the
+    tokens of a step."""
     workers = row["workers"]
+    tokens_per_replica = steps * tokens_per_step
     full = [len(r["contributors"]) == workers for r in records]
     clean = [workers * tokens_per_replica
              / (records[j]["committed_at"] - records[j - 1]["committed_at"])
              for j in range(3, len(records)) if full[j] and full[j - 1]]
     rate = statistics.median(clean) if clean else math.nan
     seconds = records[-1]["committed_at"] - records[1]["committed_at"]
-    committed = sum(len(r["contributors"]) for r in records[2:]) * tokens_per_replica
-    pauses = sum(fault["pause"] or 0.0 for fault in row["faults"])
+    committed = sum(sum(r["replica_steps"]) for r in records[2:]) * tokens_per_step
+    pauses = sum(fault.lost_seconds for fault in faults)
     achieved, bound = committed / (rate * seconds), 1 - pauses / (workers * seconds)
     return {"failure_free_tokens_per_s": round(rate, 1), "goodput": round(achieved, 4),
             "goodput_bound": round(bound, 4), "goodput_of_bound": round(achieved / bound, 4)}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'strategy':<12} {'done':>5} {'faults k+s':>10} {'once':>5} {'restarts':>8} "
+    print(f"\n{'strategy':<12} {'done':>5} {'k+s+slow':>10} {'once':>5} {'restarts':>8} "
           f"{'Δ loss':>8} {'same θ':>7} {'goodput':>8} {'bound':>6} {'of it':>6} "
           f"{'median stall s':>15} "
           f"{'wall s':>7}")
@@ -256,7 +307,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         injected = row["faults_injected"]
         stalls = [s for s in row["stall_seconds"] if not math.isnan(s)]
         print(f"{row['strategy']:<12} {str(row['run_completed']):>5} "
-              f"{injected['kill']:>4}+{injected['stop']:<5} "
+              f"{injected['kill']:>3}+{injected['stop']}+{injected.get('slow', 0):<3} "
               f"{str(row['rounds_reported_once']):>5} {row['survivor_restarts']:>8} "
               f"{row.get('loss_vs_failure_free', float('nan')):>+8.4f} "
               f"{str(row.get('weights_equal_reference')):>7} "
@@ -282,9 +333,19 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--round-seconds", type=float,
                         help="a round's expected length, to plan how long a fault keeps a "
                              "worker out (the floor + 0.1 s; 0.18 s without a floor)")
+    parser.add_argument("--kill-share", type=float, default=KILL_SHARE,
+                        help="the share of faults that are SIGKILLs (the soak's first fault, "
+                             "rank 0's, always is)")
+    parser.add_argument("--slow-share", type=float, default=0.0,
+                        help="the share of faults that are slowdowns (2-10x for 5-60 s); the "
+                             "rest, after the kills, are SIGSTOPs")
+    parser.add_argument("--fault-gap", type=float, default=FAULT_GAP_S,
+                        help="seconds at least between two faults")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--json", type=Path)
     args, extra = parser.parse_known_args(argv)
+    if not 0 <= args.kill_share <= 1 or not 0 <= args.slow_share <= 1 - args.kill_share:
+        raise SystemExit("--kill-share and --slow-share: each in [0, 1], together at most 1")
     round_seconds = args.round_seconds or (args.round_floor + 0.1 if args.round_floor else 0.18)
     names = args.strategies.split(",")
     unknown = [n for n in names if n not in STRATEGIES]
@@ -297,11 +358,14 @@ def main(argv: list[str]) -> None:
     for index, name in enumerate(names):
         share = args.faults // len(names) + (index < args.faults % len(names))
         faults, rounds = plan_faults(share, args.workers, round_seconds, rng,
-                                     rank_0_first=index == 0)
+                                     rank_0_first=index == 0 and args.slow_share < 1,
+                                     slow_share=args.slow_share, gap_s=args.fault_gap,
+                                     kill_share=args.kill_share)
         flags = train_flags(args.workers, rounds, data,
                             STRATEGIES[name] or [f"--outer.strategy={name}"]) + extra
-        print(f"{name}: {rounds} rounds, faults (round, worker, pause s or kill): "
-              f"{[(f.round, f.worker, f.pause or 'kill') for f in faults]}", flush=True)
+        print(f"{name}: {rounds} rounds, faults (round, worker, kill, stop s or slow F/s): "
+              f"{[(f.round, f.worker, f.spec(Path('')).split(':')[2] or 'kill') for f in faults]}",
+              flush=True)
         result = train(name, flags, args.out, faults, args.round_floor)
         rows.append(figures(name, flags, data, args.out / name, result, faults, args.workers))
         print(json.dumps(rows[-1]), flush=True)

@@ -88,8 +88,9 @@ def quorum_summary(lines: Iterable[str]) -> dict[str, Any]:
     `worker_losses`, the times a worker that brought a Δ to one round brought none to the
     next (lost, or stalled past the lighthouse's wait); `rounds_with_missing_workers`; and
     `rounds_missed_by_worker`, the rounds each worker (by rank) brought no Δ to (lost,
-    replaced, or behind the others); and `max_quorum_wait_seconds`, the longest a round's
-    writer waited for its quorum."""
+    replaced, or behind the others); `rounds_with_partial_replicas`, those in which a
+    straggler's inner steps were cut short (scaling.straggler_deadline); and
+    `max_quorum_wait_seconds`, the longest a round's writer waited for its quorum."""
     rounds: dict[int, RoundMetrics] = {}
     for line in lines:
         record = RoundMetrics.from_dict(json.loads(line))
@@ -105,6 +106,7 @@ def quorum_summary(lines: Iterable[str]) -> dict[str, Any]:
         rounds_with_missing_workers=sum(bool(r.missing_workers) for r in ordered),
         rounds_missed_by_worker=[sum(w not in (r.contributors or ()) for r in ordered)
                                  for w in range(workers)],
+        rounds_with_partial_replicas=sum(bool(r.partial_replicas()) for r in ordered),
         max_quorum_wait_seconds=max((r.quorum_wait_seconds or 0.0 for r in ordered),
                                     default=0.0)).as_dict()
 
@@ -112,8 +114,9 @@ def quorum_summary(lines: Iterable[str]) -> dict[str, Any]:
 def absence_note(summary: dict[str, Any]) -> str | None:
     """The line that ends a replica-mode run in which some worker brought no Δ to some rounds
     (lost, replaced, or behind the others), naming each such worker and its rounds missed,
-    or in which every worker started again from a checkpoint; None when every worker took
-    part in every round (or for another mode)."""
+    in which a straggler's rounds were cut short (counted), or in which every worker started
+    again from a checkpoint; None when every worker took part in every round in full (or for
+    another mode)."""
     missed = summary.get("rounds_missed_by_worker") or []
     rounds = summary.get("rounds") or 0
     absent = [f"worker {w} missed {count} of {rounds} round(s)"
@@ -121,6 +124,10 @@ def absence_note(summary: dict[str, Any]) -> str | None:
     notes = [f"{', '.join(absent)} (lost, replaced or behind the others; worker_losses "
              f"{summary.get('worker_losses', 0)}): see missing_workers in metrics.jsonl"
              ] if absent else []
+    if summary.get("rounds_with_partial_replicas"):
+        notes.append(f"{summary['rounds_with_partial_replicas']} of {rounds} round(s) merged a "
+                     "straggler's partial round (scaling.straggler_deadline): see "
+                     "replica_steps in metrics.jsonl")
     if summary.get("group_restarts"):
         notes.append(f"every worker started again from a checkpoint "
                      f"{summary['group_restarts']} time(s) (several workers lost at once)")

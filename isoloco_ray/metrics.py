@@ -80,6 +80,16 @@ class RoundMetrics(_JsonRecord):
     sync_attempts: int | None = None
     quorum_wait_seconds: float | None = None
     committed_at: float | None = None  # Unix time the writer saw the sync committed
+    # The inner steps each replica's Δ_r in the merge took (0: not in it); fewer than H for
+    # a straggler's partial round (scaling.straggler_deadline).
+    replica_steps: list[int] | None = None
+
+    def partial_replicas(self) -> dict[int, int]:
+        """The replicas in the merge that took fewer inner steps than the round's most (a
+        straggler's partial round), with their steps."""
+        steps = self.replica_steps or []
+        most = max(steps, default=0)
+        return {r: taken for r, taken in enumerate(steps) if 0 < taken < most}
 
     def progress_line(self, rounds: int, overlapped: bool = False) -> str:
         """The console's line for this round; with `overlapped` (outer.delay > 0) it adds how
@@ -93,6 +103,10 @@ class RoundMetrics(_JsonRecord):
             parts.append(f"without workers {self.missing_workers}")
         if self.dropped_replicas:
             parts.append(f"dropped replicas {self.dropped_replicas}")
+        partial = self.partial_replicas()
+        if partial:
+            parts.append("partial " + ", ".join(f"replica {r} {steps} steps"
+                                                for r, steps in partial.items()))
         if self.tokens_per_s is not None:
             parts.append(f"{self.tokens_per_s:,.0f} tok/s")
             parts.append(f"inner {self.inner_seconds:.1f}s comm "
@@ -141,6 +155,7 @@ class RunSummary(_JsonRecord):
     worker_losses: int | None = None
     rounds_with_missing_workers: int | None = None
     rounds_missed_by_worker: list[int] | None = None  # rounds without each worker's Δ, by rank
+    rounds_with_partial_replicas: int | None = None  # a straggler's Δ cut short (deadline)
     max_quorum_wait_seconds: float | None = None
     # Times every worker started again from a checkpoint (Ray Train's controller failed:
     # driver.restarting_on_controller_errors).

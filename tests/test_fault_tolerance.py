@@ -33,10 +33,10 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
             "--inner.steps=2", "--run.rounds=40", "--run.checkpoint_every=10",
             "--run.eval_every=40", "--run.eval_tokens=512", "--run.max_failures=2",
             "--run.keep_checkpoints=4", f"--run.storage_path={tmp_path}", "--run.name=ft"]
-    # Each round lasts at least 0.6 s (0.3 per hosted replica): with the survivors' 1 s wait
+    # Each round lasts at least 0.6 s (0.15 per inner step): with the survivors' 1 s wait
     # for its heartbeat, the 28 rounds after the loss must outlast the replacement's start
     # (10-15 s on 2 busy cores).
-    monkeypatch.setenv("ISOLOCO_RAY_KILL_AT", f"floor=0.3,11:2:{tmp_path / 'killed'}")
+    monkeypatch.setenv("ISOLOCO_RAY_KILL_AT", f"floor=0.15,11:2:{tmp_path / 'killed'}")
     monkeypatch.setenv("ISOLOCO_RAY_FT_QUORUM_TIMEOUT_S", "60")
     assert train.main(args) == 0
     assert (tmp_path / "killed").exists()
@@ -52,7 +52,8 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
     assert contributors[-1] == [0, 1, 2]  # the replacement took part again
     assert all(m["sync_attempts"] == 1 for m in metrics)
     summary = json.loads((run_dir / "summary.json").read_text())
-    expected = plain_loop.run_over_quorums(load_config(args), small_dataset, contributors)
+    steps = [m["replica_steps"] for m in metrics[1:]]
+    expected = plain_loop.run_over_quorums(load_config(args), small_dataset, contributors, steps)
     assert summary["model_sha256"] == checkpoint.parameters_sha256(expected)
     assert summary["worker_losses"] == 1
     assert summary["rounds_with_missing_workers"] == sum(c != [0, 1, 2] for c in contributors)
@@ -74,8 +75,10 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
     assert train.main(args) == 0
     assert "resuming" in capsys.readouterr().out
     resumed = json.loads((run_dir / "summary.json").read_text())
-    expected = plain_loop.run_over_quorums(load_config(args), small_dataset,
-                                           contributors[:10] + [[0, 1, 2]] * 30)
+    metrics = {m["round"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").open())}
+    expected = plain_loop.run_over_quorums(
+        load_config(args), small_dataset, contributors[:10] + [[0, 1, 2]] * 30,
+        steps[:10] + [metrics[j]["replica_steps"] for j in range(11, 41)])
     assert resumed["model_sha256"] == checkpoint.parameters_sha256(expected)
 
 
@@ -117,22 +120,31 @@ def test_the_injected_pause_stops_the_whole_process_once_and_lets_it_go_on(tmp_p
         child.kill()
 
 
-def test_the_round_floor_pads_each_call_to_its_length_from_the_previous_one():
-    """benchmarks/soak.py's "floor=S" item: a call returns no sooner than S seconds after the
-    previous one (the first at once); work that takes longer is not padded."""
+def test_the_step_floor_pads_each_step_and_a_slowed_worker_takes_f_times_as_long(tmp_path):
+    """benchmarks/soak.py's "floor=S" item: each inner step (`after_step`) lasts no less than S
+    from the previous one's end (a replica's first, whose start the hook does not see: S more);
+    work that takes longer is not padded. The "slow=F/SECONDS" fault, armed after a replica's
+    steps, then makes each step F times as long, for SECONDS."""
     from isoloco_ray.workers.ray_entry import fault_once_hook
 
-    hook = fault_once_hook("floor=0.3")
-    assert hook is not None
-    started = time.monotonic()
-    hook(0, 0)
-    first = time.monotonic()
-    hook(1, 0)
-    second = time.monotonic()
-    time.sleep(0.4)  # longer than the floor: nothing is added
-    hook(2, 0)
-    third = time.monotonic()
-    assert first - started < 0.1 and second - started >= 0.3 and third - second < 0.55
+    hooks = fault_once_hook(f"floor=0.2,1:0:slow=3/30:{tmp_path / 'slowed'}")
+    assert hooks is not None
+
+    def timed(call) -> float:
+        started = time.monotonic()
+        call()
+        return time.monotonic() - started
+
+    first = timed(lambda: hooks.after_step(0, 0))
+    padded = timed(lambda: hooks.after_step(0, 0))
+    time.sleep(0.3)  # a step longer than the floor: nothing is added
+    unpadded = timed(lambda: hooks.after_step(0, 0))
+    assert 0.2 <= first < 0.3 and 0.2 <= padded < 0.3 and unpadded < 0.05
+    hooks(1, 0)  # arms the slowdown
+    assert (tmp_path / "slowed").exists()
+    hooks.after_step(1, 1)  # the replica's first step
+    slowed = timed(lambda: hooks.after_step(1, 1))  # 0.2 padded, then 2 x 0.2 more
+    assert 0.6 <= slowed < 0.8
 
 
 def test_a_checkpoint_folder_planted_as_a_link_during_a_run_stops_it_with_one_line(tmp_path):
@@ -175,23 +187,30 @@ def test_the_summary_counts_worker_losses_once_per_loss_and_a_resume_does_not_do
     from isoloco_ray.fault_tolerance import absence_note, quorum_summary
     from isoloco_ray.metrics import format_progress
 
-    def line(round_index, contributors, wait=0.1):
+    def line(round_index, contributors, wait=0.1, steps=None):
         return json.dumps({"round": round_index, "tokens": 96 * round_index,
                            "contributors": contributors,
                            "missing_workers": [w for w in range(3) if w not in contributors],
-                           "quorum_wait_seconds": wait})
+                           "quorum_wait_seconds": wait,
+                           "replica_steps": steps or [4 * (w in contributors) for w in range(3)]})
 
     every = [0, 1, 2]
     lines = [line(0, []), line(1, every), line(2, [0, 2], wait=5.0), line(3, [0, 2]),
-             line(4, every), line(5, [0, 1]), line(4, every), line(5, [0, 1]),  # resumed
-             line(6, every)]
+             line(4, every, steps=[4, 1, 4]), line(5, [0, 1]),
+             line(4, every), line(5, [0, 1]),  # resumed: round 4 again, no partial replica
+             line(6, every, steps=[4, 4, 3])]
     summary = quorum_summary(lines)
     assert summary == {"worker_losses": 2, "rounds_with_missing_workers": 3,
-                       "rounds_missed_by_worker": [0, 2, 1], "max_quorum_wait_seconds": 5.0}
-    # The run's last line names each worker that missed rounds; none when all took part.
+                       "rounds_missed_by_worker": [0, 2, 1], "rounds_with_partial_replicas": 1,
+                       "max_quorum_wait_seconds": 5.0}
+    # The run's last line names each worker that missed rounds, and the straggler's partial
+    # rounds; none when all took part in full.
     assert absence_note({**summary, "rounds": 6}) == (
         "note: worker 1 missed 2 of 6 round(s), worker 2 missed 1 of 6 round(s) (lost, "
-        "replaced or behind the others; worker_losses 2): see missing_workers in metrics.jsonl")
+        "replaced or behind the others; worker_losses 2): see missing_workers in metrics.jsonl; "
+        "1 of 6 round(s) merged a straggler's partial round (scaling.straggler_deadline): see "
+        "replica_steps in metrics.jsonl")
+    assert "partial replica 2 3 steps" in format_progress(json.loads(lines[-1]), 6)
     assert absence_note(quorum_summary([line(1, every), line(2, every)])) is None
     assert absence_note({"rounds": 6}) is None  # restart mode
     assert absence_note({"rounds": 6, "rounds_missed_by_worker": [0, 0], "group_restarts": 1}) \

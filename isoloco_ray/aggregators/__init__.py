@@ -12,6 +12,7 @@ Modules, one idea each:
 - ``linalg``: polar factors (Gram + eigh on CPU, QDWH on CUDA), top-q SVD from Gram matrices,
   with an SVD fallback wherever a Gram matrix would be too ill-conditioned to be exact.
 - ``outer``: ``OuterOptimizer``, SGD momentum / Nesterov then optional ISO-C of the update.
+- ``weights``: partial rounds, each Δ_r weighted by the share of the round it trained.
 
 Every spectral merge computes exactly the function docs/strategies.md defines, checked against a
 plain float64 SVD version in aggregators/reference.py. Tensors that are not exactly 2-D always
@@ -27,6 +28,7 @@ from isoloco_ray.aggregators.merge import DEFAULTS, STRATEGIES, merge, merge_all
 from isoloco_ray.aggregators.outer import OuterOptimizer
 from isoloco_ray.aggregators.sparsify import disjoint_merge, sparsify
 from isoloco_ray.aggregators.tsv import tsv_rank
+from isoloco_ray.aggregators.weights import share_factors, weighted
 
 __all__ = [
     "DEFAULTS",
@@ -38,6 +40,8 @@ __all__ = [
     "merge",
     "merge_all",
     "polar",
+    "share_factors",
     "sparsify",
     "tsv_rank",
+    "weighted",
 ]

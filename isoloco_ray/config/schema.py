@@ -156,6 +156,24 @@ class ScalingConfig(Section):
         "worker from the latest checkpoint. replica: the others go on without it (each worker "
         "is a torchft replica group; one quorum per outer round over the workers alive) and "
         "Ray Train replaces it alone; needs torchft (pip install -e '.[ft]')")
+    straggler_deadline: float | None = Field(
+        1.5, allow_inf_nan=False, description="fault_tolerance replica only: a "
+        "worker's inner steps of a round end by this many times what the fastest worker of "
+        "recent rounds needs for them (the median of its last 5; one step at least), and its "
+        "replicas' pseudo-gradients count weighted by the steps they took, so that a live "
+        "straggler neither holds the others nor loses its work (docs/fault_tolerance.md, "
+        "\"Stragglers\"). null: every worker takes all inner.steps and the others wait for it "
+        "(up to 30 s, then it misses the round)")
+
+    @field_validator("straggler_deadline")
+    @classmethod
+    def _at_least_one(cls, value: float | None) -> float | None:
+        if value is not None and value < 1.0:
+            raise ValueError(
+                f"must be at least 1 (got {value:g}): a straggler's steps stop at this many "
+                "times the fastest worker's usual time, so below 1 every worker would be cut "
+                "short; set 1.5 (the default), or null to turn the deadline off")
+        return value
 
     @model_validator(mode="after")
     def _check_layout(self) -> ScalingConfig:

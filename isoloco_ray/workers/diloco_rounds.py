@@ -5,6 +5,7 @@ at the end), started at once or in the background (outer.delay) and landed into 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from isoloco_ray.workers.outer.step import OuterStepStats, stopwatch
 from isoloco_ray.workers.overlap import Background
 from isoloco_ray.workers.quorum import CommittedSync
 from isoloco_ray.workers.round_parts import RoundParts
+from isoloco_ray.workers.straggler_deadline import StragglerDeadline
 
 
 class DiLoCoRounds:
@@ -27,6 +29,9 @@ class DiLoCoRounds:
     # Syncs started but not landed, by fragment (none at a round's end).
     in_flight: dict[int, Future[OuterStepStats] | OuterStepStats]
     background: Background | None  # the thread syncs run on with outer.delay
+    # With a quorum seat and scaling.straggler_deadline: when the inner steps stop (rebuilt
+    # from the syncs' measurements, not saved).
+    deadline: StragglerDeadline | None
 
     def __init__(self, parts: RoundParts) -> None:
         if parts.env.seat is not None and parts.cfg.outer.streaming:
@@ -37,6 +42,9 @@ class DiLoCoRounds:
         self.committed: CommittedSync | None = None  # with a quorum seat: the round's sync
         self.background = (Background(parts.env.device) if parts.cfg.outer.delay > 0
                            else None)
+        factor = parts.cfg.scaling.straggler_deadline
+        self.deadline = (StragglerDeadline(factor)
+                         if parts.env.seat is not None and factor is not None else None)
 
     def run_round(self, round_index: int) -> tuple[float, float, OuterStepStats]:
         """Round `round_index` + 1 (`round_index` rounds are done). Returns (sum of the finite
@@ -62,7 +70,8 @@ class DiLoCoRounds:
                     # Every rank stops together before a sync when any rank's data failed.
                     self._stop_if_any_failed(round_index, data_error)
                     checked = True
-                    self._start_sync(event.fragment, event.sync_round, losses)
+                    self._start_sync(event.fragment, event.sync_round, losses,
+                                     inner_seconds)
                 else:
                     stats.add(self._finish_sync(event.fragment))
             if done < steps:
@@ -106,17 +115,22 @@ class DiLoCoRounds:
 
     def _inner_steps(self, round_index: int, steps: int, losses: dict[int, list[torch.Tensor]],
                      ends_round: bool, data_error: str | None) -> tuple[float, str | None]:
-        """`steps` inner steps of every hosted replica, in turn; after a data error, none (the
-        ranks stop together at the next check). Returns (seconds, the data error if any)."""
+        """`steps` inner steps of every hosted replica, in turn (with a straggler deadline
+        each stops at its own: straggler_deadline.py); after a data error, none (the ranks
+        stop together at the next check). Returns (seconds, the data error if any)."""
         parts = self.parts
         started = time.perf_counter()
-        for replica in parts.replicas:
+        deadlines = (self.deadline.round_deadlines(steps, len(parts.replicas))
+                     if self.deadline is not None else None)
+        for turn, replica in enumerate(parts.replicas):
             if data_error is not None:
                 break
             try:
                 losses[replica.index] += replica.run_inner_steps(
                     parts.model, parts.runtime, steps, parts.cfg.resolved.micro_batch_size,
-                    parts.layout.shard)
+                    parts.layout.shard,
+                    self._after_step(round_index, replica.index,
+                                     None if deadlines is None else deadlines[turn]))
             except DataError as exc:  # a replica's G workers read the same rows: all stop
                 data_error = str(exc)
                 break
@@ -124,11 +138,31 @@ class DiLoCoRounds:
                 parts.env.after_replica(round_index, replica.index)
         return time.perf_counter() - started, data_error
 
+    def _after_step(self, round_index: int, replica: int, deadline: float | None
+                    ) -> Callable[[], bool] | None:
+        """What Replica.run_inner_steps calls after each step: the test hook, then whether
+        to stop: another step as long as the last one would end past the deadline (a
+        time.perf_counter()), so that a straggler reaches the sync by it."""
+        hook = self.parts.env.after_step
+        if hook is None and deadline is None:
+            return None
+        previous = [time.perf_counter()]
+
+        def after_step() -> bool:
+            if hook is not None:
+                hook(round_index, replica)
+            now = time.perf_counter()
+            step, previous[0] = now - previous[0], now
+            return deadline is not None and now + step > deadline
+
+        return after_step
+
     def _start_sync(self, fragment: int, sync_round: int,
-                    losses: dict[int, list[torch.Tensor]]) -> None:
+                    losses: dict[int, list[torch.Tensor]], inner_seconds: float) -> None:
         """Take the hosted replicas' Δ_r of `fragment` and start its outer step: at once, or
         in the background with outer.delay, or over the round's quorum (`losses`: each hosted
-        replica's inner losses this round, for the quorum's loss sum)."""
+        replica's inner losses this round, for the quorum's loss sum and the share of the
+        round each took, whose `inner_seconds` this worker's header carries per step)."""
         parts = self.parts
         outer = parts.cfg.outer
         names = parts.fragments[fragment]
@@ -144,12 +178,16 @@ class DiLoCoRounds:
                     else None)
         target = {name: parts.global_params[name] for name in names}
         if parts.env.seat is not None:
+            steps = {r.index: len(losses[r.index]) for r in parts.replicas}
             started = time.perf_counter()
-            stats, committed = parts.outer.quorum_step(target, deltas, sync_round,
-                                                         parts.env.seat, diverged,
-                                                         self._mean_losses(losses))
+            stats, committed = parts.outer.quorum_step(
+                target, deltas, sync_round, parts.env.seat, diverged, self._mean_losses(losses),
+                shares={r: taken / parts.cfg.inner.steps for r, taken in steps.items()},
+                step_seconds=inner_seconds / max(1, sum(steps.values())))
             stats.wait_seconds = time.perf_counter() - started
             self.committed = committed
+            if self.deadline is not None:
+                self.deadline.note(committed)
             self.in_flight[fragment] = stats
             return
 
@@ -222,16 +260,21 @@ class DiLoCoRounds:
         those that brought a Δ, those that did not (`missing_workers`: lost, or just
         healed; at the join before round 1, those not in it), the quorums it took (1 when
         nobody failed), the seconds this worker waited for them and when it saw the sync
-        committed (a fault's stall is measured to it: benchmarks/soak.py): RoundMetrics' quorum
+        committed (a fault's stall is measured to it: benchmarks/soak.py), and the inner steps
+        each replica's Δ_r in the merge took (0: not in it; fewer than H: a straggler's partial
+        round, which plain_loop.run_over_quorums replays): RoundMetrics' quorum
         fields (a name that is not one is refused when the record is built)."""
         if self.committed is None:
             return {}
         contributors = self.committed.contributors
         present = contributors or self.committed.participants
+        steps = self.parts.cfg.inner.steps
         return {"quorum": self.committed.participants, "contributors": contributors,
                 "missing_workers": [w for w in range(self.parts.env.world)
                                     if w not in present],
                 "sync_attempts": self.committed.attempts,
+                "replica_steps": [round(self.committed.shares.get(r, 0.0) * steps)
+                                  for r in range(self.parts.cfg.scaling.replicas)],
                 "quorum_wait_seconds": self.committed.quorum_seconds,
                 "committed_at": self.committed.committed_at}
 

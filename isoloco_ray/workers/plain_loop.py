@@ -66,7 +66,9 @@ def inner_step(cfg: TrainConfig, model: LlamaForCausalLM,
 
 
 def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
-                     contributors: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+                     contributors: Sequence[Sequence[int]],
+                     replica_steps: Sequence[Sequence[int]] | None = None
+                     ) -> dict[str, torch.Tensor]:
     """DiLoCo when workers miss rounds (the quorum's outer step, OuterSync.quorum_step),
     plainly: W = R/V workers, worker w hosting replicas wV … wV+V−1. In round j only the
     workers in `contributors[j]` take their inner steps. For a merge of the mean each sends
@@ -77,7 +79,10 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
     replicas present, in replica order, keyed by round j (random masks). A worker absent from
     round j has its replicas start round j+1 from θ with fresh AdamW moments, their LR
     schedule and stream where (j+1)·H steps leave them (Replica.rejoin). No streaming
-    settings."""
+    settings. `replica_steps[j][r]` (metrics' `replica_steps`; default H): the inner steps
+    replica r of a present worker took in round j (a straggler's partial round); its Δ_r then
+    counts by its share f_r = h_r/H (aggregators/weights.py): the sums are of f_r·Δ_r over
+    Σ f_r, a merge of every Δ_r weights them."""
     replicas = make_replicas(cfg, data_dir)
     hosted = cfg.scaling.replicas_per_worker
     theta = {n: p.detach().clone() for n, p in replicas[0][0].named_parameters()}
@@ -88,10 +93,13 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
     for round_index, present in enumerate(contributors):
         present = sorted(present)
         sums, deltas = [], {}
+        taken = (replica_steps[round_index] if replica_steps is not None
+                 else [steps] * len(replicas))
+        shares = {r: taken[r] / steps for r in range(len(replicas))}
         for worker in present:
             mine = range(worker * hosted, worker * hosted + hosted)
             for r in mine:
-                for _ in range(steps):
+                for _ in range(taken[r]):
                     inner_step(cfg, *replicas[r])
             with torch.no_grad():
                 mine_deltas = {r: {n: theta[n] - p for n, p in replicas[r][0].named_parameters()}
@@ -101,8 +109,10 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
                     mine_deltas = {r: {n: every_delta.payloads.pruned(d, round_index, r, n)
                                        for n, d in delta.items()}
                                    for r, delta in mine_deltas.items()}
-                # Σ_r Δ_r from zero in replica order, as Payloads.make
-                sums.append({n: sum((mine_deltas[r][n] for r in mine), torch.zeros_like(t))
+                # Σ_r f_r·Δ_r from zero in replica order, as Payloads.make (f_r = 1: Δ_r)
+                sums.append({n: sum((mine_deltas[r][n] if shares[r] == 1.0
+                                     else mine_deltas[r][n] * shares[r] for r in mine),
+                                    torch.zeros_like(t))
                              for n, t in theta.items()})
         with torch.no_grad():
             if not every_delta.route.sums:  # the absent replicas' Δ_r left out as diverged
@@ -110,14 +120,16 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
                 every_delta.step(theta, {r: deltas.get(r) or {n: torch.zeros_like(t)
                                                               for n, t in theta.items()}
                                          for r in range(len(replicas))},
-                                 round_index, diverged=absent)
+                                 round_index, diverged=absent, shares=shares)
             else:
+                divisor = sum(shares[r] for worker in present
+                              for r in range(worker * hosted, worker * hosted + hosted))
                 means = {}
                 for name in theta:
                     total = sums[0][name].clone()
                     for part in sums[1:]:
                         total += part[name]
-                    means[name] = total / (len(present) * hosted)
+                    means[name] = total / divisor
                 directions = means if resolved.merge == "mean" else aggregators.merge_all(
                     resolved.merge, {name: [mean] for name, mean in means.items()})
                 optimizer.apply(theta, {name: optimizer.update(name, direction)

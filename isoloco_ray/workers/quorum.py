@@ -44,7 +44,7 @@ a sync at most `max_attempts` quorums; torchft raises past those.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -55,10 +55,11 @@ from isoloco_ray.local_ray import is_loopback, loopback_store
 from isoloco_ray.workers.agreement import TrainingStopped
 
 # rank, brings a Δ (0/1), loss sum, waits for the others (0/1), the parameters' fingerprint
-# (two 48-bit parts, exact in float64), the round, joining (0/1); then one 0/1 per replica,
+# (two 48-bit parts, exact in float64), the round, joining (0/1), seconds per inner step; then
+# per replica the share of the round it trained (0: not in the payload; aggregators/weights.py),
 # then why this worker stops the run (UTF-8 bytes, zero-padded; all zero: it does not)
-HEADER_FIELDS = 8
-ROUND, JOINING = 6, 7
+HEADER_FIELDS = 9
+ROUND, JOINING, STEP_SECONDS = 6, 7, 8
 STOP_BYTES = 512
 FINGERPRINT_DIGITS = 12  # hex digits per part
 
@@ -78,6 +79,10 @@ class Contribution:
     payload: torch.Tensor  # flat float32: Σ of its good hosted replicas' Δ_r, model order
     good: Sequence[int]  # the replicas (run-wide indices) whose Δ_r are in `payload`
     loss_sum: float  # Σ of those replicas' mean inner losses
+    # The share of the round each of `good` trained (h_r / H), 1.0 where not given.
+    shares: Mapping[int, float] = field(default_factory=dict)
+    # This worker's wall seconds per inner step this round (0.0: not measured).
+    step_seconds: float = 0.0
 
 
 @dataclass
@@ -88,6 +93,7 @@ class CommittedSync:
     contributors: list[int]  # those that brought a Δ, ascending
     payloads: list[torch.Tensor]  # the contributors' payloads, in rank order
     good: list[int]  # the replicas whose Δ_r are in the payloads, ascending
+    shares: dict[int, float]  # of each of `good`: the share of the round it trained
     loss_sum: float  # Σ over the contributors' loss sums
     attempts: int  # quorums it took (1 when nobody failed)
     # The round every participant is at once healed: the sync's.
@@ -98,6 +104,8 @@ class CommittedSync:
     quorum_seconds: float = 0.0  # waiting for the quorums (and healing), all attempts
     committed_at: float = 0.0  # Unix time at which this worker saw the sync committed
     healed: bool = False  # this worker's state came from a peer in this sync
+    # The contributors' seconds per inner step this round (rank order; 0.0: not measured).
+    step_seconds: list[float] = field(default_factory=list)
     # A join without a Δ, not committed, in which every participant would rather wait for
     # the workers missing: sync again.
     again: bool = False
@@ -227,7 +235,9 @@ class QuorumSeat:
         if contribution is not None:
             header[slot, 1] = 1.0
             header[slot, 2] = contribution.loss_sum
-            header[slot, [HEADER_FIELDS + r for r in contribution.good]] = 1.0
+            header[slot, STEP_SECONDS] = contribution.step_seconds
+            for replica in contribution.good:
+                header[slot, HEADER_FIELDS + replica] = contribution.shares.get(replica, 1.0)
         self.manager.allreduce(header, reduce_op=ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             return None
@@ -256,14 +266,16 @@ class QuorumSeat:
             return None
         order = sorted(range(size), key=lambda i: ranks[i])
         contributors = [i for i in order if brings[i]]
-        good_flags = (header[contributors, HEADER_FIELDS:flags].sum(dim=0) if contributors
-                      else None)
+        # A replica is one contributor's: its column holds that one's share, zeros elsewhere.
+        shares = (header[contributors, HEADER_FIELDS:flags].sum(dim=0).tolist()
+                  if contributors else [0.0] * self.replicas)
         return CommittedSync(
             participants=[ranks[i] for i in order],
             contributors=[ranks[i] for i in contributors],
             payloads=[gathered[i] for i in contributors],
-            good=[] if good_flags is None else [r for r in range(self.replicas)
-                                                 if good_flags[r] > 0.5],
+            good=[r for r in range(self.replicas) if shares[r] > 0],
+            shares={r: shares[r] for r in range(self.replicas) if shares[r] > 0},
+            step_seconds=[float(header[i, STEP_SECONDS]) for i in contributors],
             loss_sum=float(sum(header[i, 2] for i in contributors)),
             attempts=0, round=rounds[ranks[0]],
             joining=[ranks[i] for i in order if header[i, JOINING] > 0.5],

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,53 +29,80 @@ from isoloco_ray.workers.round_metrics import Metrics
 from isoloco_ray.workers.worker_env import WorkerEnv
 
 
-def fault_once_hook(spec: str | None) -> Callable[[int, int], None] | None:
-    """Fault injection for tests and benchmarks/chaos.py: "ROUND:REPLICA:MARKER" SIGKILLs this
-    worker after REPLICA's inner steps in round ROUND (0-based, i.e. mid-round), once;
-    "ROUND:REPLICA:stop=SECONDS:MARKER" instead stops it there (SIGSTOP, every thread: its
-    heartbeats too, as a paused or swapped-out process) and has a process of its own send
-    SIGCONT SECONDS later. MARKER is created first (its time is the fault's) and disarms the
-    fault for the workers that start later. Several, comma-separated. An item "floor=SECONDS"
-    makes each call return no sooner than SECONDS after this worker's previous one (sleeping
-    the rest): benchmarks/soak.py's workers then wait on their rounds, as workers bound by an
-    accelerator do, rather than share two CPU cores as five."""
-    if not spec:
-        return None
-    faults = {}
-    floor = 0.0
-    for item in spec.split(","):
-        if item.startswith("floor="):
-            floor = float(item[len("floor="):])
-            continue
-        round_text, replica_text, rest = item.split(":", 2)
-        pause = None
-        if rest.startswith("stop="):
-            seconds, rest = rest[len("stop="):].split(":", 1)
-            pause = float(seconds)
-        faults[int(round_text), int(replica_text)] = (rest, pause)
+def fault_once_hook(spec: str | None) -> FaultHooks | None:
+    """Fault injection for tests and benchmarks/chaos.py (None without a spec): the
+    FaultHooks of `spec`."""
+    return FaultHooks(spec) if spec else None
 
-    previous_call: list[float] = []
 
-    def hook(round_index: int, replica: int) -> None:
-        if floor and previous_call:
-            time.sleep(max(0.0, previous_call[0] + floor - time.monotonic()))
-        previous_call[:] = [time.monotonic()]
-        fault = faults.get((round_index, replica))
+class FaultHooks:
+    """Fault injection for tests and benchmarks/chaos.py. Called (WorkerEnv.after_replica)
+    after each replica's inner steps with (round, replica); `after_step` after each inner step.
+
+    "ROUND:REPLICA:MARKER" SIGKILLs this worker after REPLICA's inner steps in round ROUND
+    (0-based, i.e. mid-round), once; "ROUND:REPLICA:stop=SECONDS:MARKER" instead stops it there
+    (SIGSTOP, every thread: its heartbeats too, as a paused or swapped-out process) and has a
+    process of its own send SIGCONT SECONDS later; "ROUND:REPLICA:slow=F/SECONDS:MARKER" makes
+    it F times slower from there for SECONDS (each inner step followed by a sleep of F − 1
+    times its own length: a throttled or shared machine, alive and heartbeating). MARKER is
+    created first (its time is the fault's) and disarms the fault for the workers that start
+    later. Several, comma-separated. An item "floor=SECONDS" makes each inner step last at
+    least SECONDS (`after_step` sleeps the rest): benchmarks/soak.py's workers then wait on
+    their steps, as workers bound by an accelerator do, rather than share two CPU cores as
+    five (a slowed worker's steps are the floor's times F)."""
+
+    def __init__(self, spec: str) -> None:
+        self.faults: dict[tuple[int, int], tuple[str, str | None, str | None]] = {}
+        self.floor = 0.0
+        for item in spec.split(","):
+            if item.startswith("floor="):
+                self.floor = float(item[len("floor="):])
+                continue
+            round_text, replica_text, rest = item.split(":", 2)
+            kind = value = None
+            if rest.startswith(("stop=", "slow=")):
+                setting, rest = rest.split(":", 1)
+                kind, value = setting.split("=", 1)
+            self.faults[int(round_text), int(replica_text)] = (rest, kind, value)
+        self.slow_factor, self.slow_until = 1.0, 0.0
+        self.step_started: float | None = None  # the previous step's end (or replica's start)
+
+    def __call__(self, round_index: int, replica: int) -> None:
+        self.step_started = None  # the next replica's first step: from its next step's end
+        fault = self.faults.get((round_index, replica))
         if fault is None:
             return
-        marker, pause = fault
+        marker, kind, value = fault
         try:
             Path(marker).touch(exist_ok=False)
         except FileExistsError:
             return
-        if pause is None:
+        if kind is None:
             os.kill(os.getpid(), signal.SIGKILL)
-        subprocess.Popen(["sh", "-c", f"sleep {pause}; kill -CONT {os.getpid()}"],
+        if kind == "slow":
+            assert value is not None
+            factor, seconds = value.split("/")
+            self.slow_factor = float(factor)
+            self.slow_until = time.monotonic() + float(seconds)
+            return
+        subprocess.Popen(["sh", "-c", f"sleep {value}; kill -CONT {os.getpid()}"],
                          start_new_session=True, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.kill(os.getpid(), signal.SIGSTOP)
 
-    return hook
+    def after_step(self, round_index: int, replica: int) -> None:
+        """Pad the step just taken to the floor, then while slowed sleep F − 1 times its
+        length (timed from the previous step's end; a replica's first step, whose start this
+        hook does not see, from its own end: padded to the floor whole)."""
+        started = self.step_started
+        if self.floor:
+            time.sleep(self.floor if started is None
+                       else max(0.0, started + self.floor - time.monotonic()))
+        now = time.monotonic()
+        if now < self.slow_until:
+            length = self.floor if started is None else now - started
+            time.sleep((self.slow_factor - 1.0) * length)
+        self.step_started = time.monotonic()
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
@@ -116,8 +142,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
         read_rows=read_with_ray_data,
         report=report,
         checkpoint_room=lambda needed: storage.checkpoint_room(run_dir, needed),
-        after_replica=fault_once_hook(loop_config.get("kill_at")),
     )
+    hooks = fault_once_hook(loop_config.get("kill_at"))
+    if hooks is not None:
+        env = replace(env, after_replica=hooks, after_step=hooks.after_step)
     if cfg.scaling.fault_tolerance == "replica":
         from isoloco_ray.workers.replica_mode import train_replica_worker
 

@@ -140,10 +140,12 @@ class Replica:
         self._inner = inner
 
     def run_inner_steps(self, model: nn.Module, runtime: Runtime, steps: int,
-                        micro_batch_size: int, shard: ReplicaShard | None = None
-                        ) -> list[torch.Tensor]:
+                        micro_batch_size: int, shard: ReplicaShard | None = None,
+                        after_step: Callable[[], bool] | None = None) -> list[torch.Tensor]:
         """Take `steps` AdamW steps from the replica's parameters; returns each step's mean
         loss (device tensors; `losses_finite` notes whether they were all finite).
+        `after_step` is called after each step; True stops the steps there (a straggler's
+        deadline: straggler_deadline.py), after the first at the earliest.
 
         With a `shard`, this worker computes the gradients of its rows of each batch and
         averages them with the replica's other workers, so every one of them takes the same
@@ -159,6 +161,8 @@ class Replica:
             losses.append(inner_step(runtime, self.optimizer, self.schedule,
                                      [batch if shard is None else shard.rows(batch)],
                                      micro_batch_size, self._inner.clip, average))
+            if after_step is not None and after_step():
+                break
         if not self.in_model:
             load_parameters_into(self.params, model)
         if losses:

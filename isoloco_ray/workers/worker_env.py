@@ -33,6 +33,8 @@ class WorkerEnv:
     checkpoint_room: Callable[[int], str | None] | None = None
     # Test hook: called after each replica's inner steps with (round, replica).
     after_replica: Callable[[int, int], None] | None = None
+    # Test hook: called after each inner step with (round, replica) (a slow worker).
+    after_step: Callable[[int, int], None] | None = None
     # This worker's seat in each round's torchft quorum (quorum.py): the outer sync runs over
     # the workers alive that round, and every other collective stays within this worker.
     seat: QuorumSeat | None = None

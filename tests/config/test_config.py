@@ -159,6 +159,9 @@ def test_token_budget_sets_rounds():
     (["--inner.clip=inf"], "inner.clip: must be a finite number"),
     (["--inner.weight_decay=inf"], "inner.weight_decay: must be a finite number"),
     (["--scaling.cpus_per_worker=inf"], "scaling.cpus_per_worker: must be a finite number"),
+    (["--scaling.straggler_deadline=inf"], "scaling.straggler_deadline: must be a finite number"),
+    (["--scaling.straggler_deadline=0.5"], "scaling.straggler_deadline: must be at least 1 "
+     "(got 0.5): a straggler's steps stop at this many times the fastest worker's usual time"),
     (["--inner.betas", "0.9,1.0"], "inner.betas [0.9, 1.0]: each must be in [0, 1)"),
     (["--inner.betas=-0.1,0.9"], "inner.betas [-0.1, 0.9]: each must be in [0, 1)"),
     # run.name is one directory under run.storage_path.

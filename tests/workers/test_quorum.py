@@ -251,9 +251,10 @@ class Peer:
     def load_state_dict(self, state: dict[str, Any]) -> None:  # not called here
         raise AssertionError("no worker is behind in this test")
 
-    def step(self, round_index: int, diverged: set[int]) -> CommittedSync:
+    def step(self, round_index: int, diverged: set[int],
+             shares: dict[int, float] | None = None) -> CommittedSync:
         _, committed = self.outer.quorum_step(self.theta, hosted_deltas(round_index, self.rank),
-                                              round_index, self.seat, diverged)
+                                              round_index, self.seat, diverged, shares=shares)
         return committed
 
 
@@ -342,6 +343,80 @@ def test_a_per_replica_merge_over_a_quorum_is_the_step_without_the_missing_repli
     lose_a_worker_after_round_1(outer, lighthouse, theta, one_process_step)
 
 
+@pytest.mark.parametrize("args", [["--outer.strategy=diloco"], ["--outer.strategy=tsv"],
+                                  ["--outer.strategy=ties", "--outer.prune=random"]],
+                         ids=["diloco", "tsv", "ties-random"])
+def test_a_stragglers_partial_round_counts_by_its_share_over_the_quorum(lighthouse, args):
+    """Worker 1's replicas took 1 and 2 of 3 inner steps (shares 1/3 and 2/3: a straggler's
+    partial round): every worker's θ is, bit for bit, the one-process step with those shares
+    (aggregators/weights.py): for the mean, Σ f_r·Δ_r per worker in replica order, added in
+    rank order, over Σ f_r (written out); for a merge of every Δ_r, OuterSync.step with the
+    shares. And it is not the step with equal shares."""
+    outer = load_config([*args, "--outer.lr=0.7", "--outer.placement=replicated",
+                         "--scaling.replicas=6"]).outer.quorum_outer()
+    shares = {r: {2: 1 / 3, 3: 2 / 3}.get(r, 1.0) for r in range(REPLICAS)}
+    peers = [Peer(rank, outer, lighthouse) for rank in range(3)]
+    try:
+        results = in_threads(*[lambda p=p: p.step(1, set(), shares) for p in peers])
+    finally:
+        for peer in peers:
+            peer.seat.shutdown()
+    assert all(r.shares == shares for r in results)
+    reference, theta = OuterSync(outer, REPLICAS, seed=0), seeded(0)
+    deltas = {r: seeded(100 + r) for r in range(REPLICAS)}
+    if reference.route.sums:
+        means = {}
+        for name in SHAPES:
+            sums = [sum((deltas[r][name] if shares[r] == 1.0 else deltas[r][name] * shares[r]
+                         for r in (2 * w, 2 * w + 1)), torch.zeros(SHAPES[name]))
+                    for w in range(3)]
+            means[name] = (sums[0] + sums[1] + sums[2]) / sum(shares.values())
+        reference.optimizer.apply(theta, {name: reference.optimizer.update(name, mean)
+                                          for name, mean in means.items()})
+    else:
+        reference.step(theta, deltas, 1, shares=shares)
+    unweighted = seeded(0)
+    OuterSync(outer, REPLICAS, seed=0).step(unweighted, deltas, 1)
+    for peer in peers:
+        for name in SHAPES:
+            assert torch.equal(peer.theta[name], theta[name]), (peer.rank, name)
+    assert not torch.equal(unweighted["w"], theta["w"])
+
+
+def test_a_slow_worker_stops_at_the_deadline_and_its_partial_rounds_count(lighthouse,
+                                                                        small_dataset,
+                                                                        tmp_path):
+    """Worker 2 of 3 turns ten times slower from round 2 on (alive and heartbeating: a
+    throttled machine; ray_entry's "slow" fault): from then its inner steps stop at the
+    straggler deadline (1.5 times the fastest worker's usual time) instead of holding the
+    others, it contributes to every round, its replicas' steps are recorded (fewer than H), and
+    every worker ends with plain_loop.run_over_quorums' θ over the recorded contributors and
+    steps, bit for bit."""
+    from isoloco_ray.workers import plain_loop
+    from isoloco_ray.workers.ray_entry import FaultHooks
+
+    cfg = trainer_config(4, "--inner.steps=6")
+    records: dict[int, dict] = {}
+    slow = FaultHooks(f"0:5:slow=10/600:{tmp_path / 'slowed'}")  # after round 1's steps
+    trainers = [seated_trainer(cfg, small_dataset, rank, lighthouse,
+                               report=lambda m, _, writer: writer and records.update(
+                                   {m["round"]: m}),
+                               after_replica=slow if rank == 2 else None,
+                               after_step=slow.after_step if rank == 2 else None)
+                for rank in range(3)]
+    run_seated(trainers)
+    rounds = [records[j] for j in range(1, cfg.run.rounds + 1)]
+    assert all(m["contributors"] == [0, 1, 2] for m in rounds)
+    steps = [m["replica_steps"] for m in rounds]
+    assert steps[0] == [6] * 6  # no measurement yet: no deadline
+    assert all(0 < taken < 6 for later in steps[1:] for taken in later[4:]), steps
+    expected = plain_loop.run_over_quorums(cfg, small_dataset, [[0, 1, 2]] * cfg.run.rounds,
+                                           steps)
+    for trainer in trainers:
+        for name, value in expected.items():
+            assert torch.equal(trainer.global_params[name], value), (trainer.env.rank, name)
+
+
 def test_the_quorum_step_refuses_a_route_it_cannot_run():
     outer = load_config(["--outer.strategy=tsv", "--outer.comm_dtype=int8",
                          "--outer.placement=replicated", "--scaling.replicas=6"]).outer
@@ -362,7 +437,7 @@ def trainer_config(rounds: int, *args: str):
 
 
 def seated_trainer(cfg, data_dir, rank: int, lighthouse: str, report=None, after_replica=None,
-                   read_rows=None):
+                   read_rows=None, after_step=None):
     """Worker `rank`'s Trainer (no process group) with a quorum seat that heals through it."""
     from isoloco_ray.data.stream import read_with_pyarrow
     from isoloco_ray.workers.worker_env import WorkerEnv
@@ -370,7 +445,8 @@ def seated_trainer(cfg, data_dir, rank: int, lighthouse: str, report=None, after
 
     env = WorkerEnv(rank=rank, world=3, device=torch.device("cpu"),
                     read_rows=read_rows or read_with_pyarrow,
-                    report=report or (lambda metrics, _, writer: None), after_replica=after_replica)
+                    report=report or (lambda metrics, _, writer: None), after_replica=after_replica,
+                    after_step=after_step)
     return seated(cfg, data_dir, env, lighthouse, timeout=timedelta(seconds=30),
                   quorum_timeout=timedelta(seconds=60))
 
@@ -397,7 +473,9 @@ def test_trainers_syncing_over_a_quorum_train_as_the_plain_loop_over_quorums(lig
                                report(rank, metrics, writer))
                 for rank in range(3)]
     summaries = run_seated(trainers)
-    expected = plain_loop.run_over_quorums(cfg, small_dataset, [[0, 1, 2]] * cfg.run.rounds)
+    lines = sorted((m for m in reports[0] if m["round"] > 0), key=lambda m: m["round"])
+    expected = plain_loop.run_over_quorums(cfg, small_dataset, [[0, 1, 2]] * cfg.run.rounds,
+                                           [m["replica_steps"] for m in lines])
     for trainer in trainers:
         for name, value in expected.items():
             assert torch.equal(trainer.global_params[name], value), name
@@ -472,7 +550,8 @@ def test_a_lost_trainer_is_replaced_and_the_run_goes_on_as_the_plain_loop_over_i
     rounds = [m["contributors"] for m in reports if m["round"] > 0]
     assert len(rounds) == cfg.run.rounds and rounds[0] == [0, 1, 2] and rounds[1] == [0, 2]
     assert rounds[-1] == [0, 1, 2]  # the replacement took part before the end
-    expected = plain_loop.run_over_quorums(cfg, small_dataset, rounds)
+    expected = plain_loop.run_over_quorums(cfg, small_dataset, rounds,
+                                           [m["replica_steps"] for m in reports if m["round"] > 0])
     for trainer in (trainers[0], trainers[2], replacement[0]):
         for name, value in expected.items():
             assert torch.equal(trainer.global_params[name], value), (trainer.env.rank, name)
@@ -496,11 +575,13 @@ def test_rank_0_lost_in_the_last_round_loses_no_record_and_a_random_mask_merge_s
     last = cfg.run.rounds - 1
     replacement_built, died = threading.Event(), threading.Event()
     recorded: list[tuple[str, int]] = []  # (worker, round) of every writer's report
+    steps: dict[int, list[int]] = {}  # each round's replica_steps
     last_record: list[dict] = []
 
     def report(name: str, metrics: dict, directory, writer: bool) -> None:
         if writer:
             recorded.append((name, metrics["round"]))
+            steps[metrics["round"]] = metrics.get("replica_steps")
             if metrics["round"] == cfg.run.rounds:
                 last_record.append(metrics)
         if directory is not None:
@@ -538,7 +619,8 @@ def test_rank_0_lost_in_the_last_round_loses_no_record_and_a_random_mask_merge_s
     (record,) = last_record
     assert (record["quorum"], record["contributors"], record["missing_workers"]) == \
         ([0, 1, 2], [1, 2], [0])
-    expected = plain_loop.run_over_quorums(cfg, small_dataset, [[0, 1, 2], [0, 1, 2], [1, 2]])
+    expected = plain_loop.run_over_quorums(cfg, small_dataset, [[0, 1, 2], [0, 1, 2], [1, 2]],
+                                           [steps[j] for j in (1, 2, 3)])
     for trainer in (trainers[1], trainers[2], replacement[0]):
         for name, value in expected.items():
             assert torch.equal(trainer.global_params[name], value), (trainer.env.rank, name)
@@ -576,7 +658,8 @@ def test_a_worker_that_falls_behind_alive_is_healed_and_rejoins_where_the_round_
     assert [m["round"] for m in rounds] == [1, 2, 3, 4, 5, 6]
     contributors = [m["contributors"] for m in rounds]
     assert contributors[1] == [0, 1] and contributors[-1] == [0, 1, 2], contributors
-    expected = plain_loop.run_over_quorums(cfg, small_dataset, contributors)
+    expected = plain_loop.run_over_quorums(cfg, small_dataset, contributors,
+                                           [m["replica_steps"] for m in rounds])
     for trainer in trainers:
         for name, value in expected.items():
             assert torch.equal(trainer.global_params[name], value), (trainer.env.rank, name)
@@ -686,14 +769,26 @@ def _raised(call: Callable[[], Any]) -> tuple[BaseException | None]:
     return (None,)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch (and MKL) on one thread while the test runs: three Trainers on threads of one
+    process call MKL at once, which on some CPUs (seen on an AMD EPYC) then splits float64
+    work differently from one process alone, and the layouts' equality is about what each
+    computes, not about BLAS threading."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_trainers_merging_every_replica_over_a_quorum_end_as_one_process_hosting_them_all(
-        lighthouse, small_dataset):
+        lighthouse, small_dataset, one_torch_thread):
     """TSV (a merge of every Δ_r) on 3 seated Trainers: each worker's 2 Δ_r travel through
     the quorum and every worker merges all 6 in replica order, so each ends, bit for bit,
     where one process hosting all 6 replicas (restart mode's layout V = 6) ends."""
     from isoloco_ray.workers.local import run_local
 
-    cfg = trainer_config(2, "--outer.strategy=tsv")
+    cfg = trainer_config(2, "--outer.strategy=tsv", "--scaling.straggler_deadline=null")
     alone = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(
         update={"replicas_per_worker": 6})})
     expected = run_local(alone, small_dataset)[0]["model_sha256"]
@@ -701,13 +796,15 @@ def test_trainers_merging_every_replica_over_a_quorum_end_as_one_process_hosting
 
 
 def test_a_replica_run_without_failures_is_the_restart_run_of_its_layout(lighthouse,
-                                                                         small_dataset):
+                                                                         small_dataset,
+                                                                         one_torch_thread):
     """isoloco on 3 seated Trainers, nobody lost, against restart mode's 3 gloo processes
     (its route for a spectral merge: each rank's sum to the tensor's owner, added in rank
-    order, as the quorum adds them): the same parameters, bit for bit."""
+    order, as the quorum adds them): the same parameters, bit for bit (no straggler deadline:
+    its cuts depend on timing, restart mode has none)."""
     from isoloco_ray.workers.local import run_local
 
-    cfg = trainer_config(2, "--outer.strategy=isoloco")
+    cfg = trainer_config(2, "--outer.strategy=isoloco", "--scaling.straggler_deadline=null")
     restart = run_local(cfg, small_dataset)[0]["model_sha256"]
     assert seated_run(cfg, small_dataset, lighthouse) == [restart] * 3
 

@@ -170,7 +170,8 @@ class OuterSync:
     def step(self, global_params: dict[str, torch.Tensor],
              hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
              diverged: Collection[int] = (),
-             feedback: Mapping[int, dict[str, torch.Tensor]] | None = None) -> OuterStepStats:
+             feedback: Mapping[int, dict[str, torch.Tensor]] | None = None,
+             shares: Mapping[int, float] | None = None) -> OuterStepStats:
         """Apply one outer step to `global_params` in place from the hosted replicas' Δ_r
         (with G positions, to this position's share of them: see `shares`).
 
@@ -179,7 +180,9 @@ class OuterSync:
         With none left the round is skipped: parameters and momentum stay as they were.
         `feedback` (outer.error_feedback): each hosted replica's residual, added to its Δ_r
         before it is sent and replaced by what the transport loses of that (payload.py);
-        a dropped replica's is kept as it was.
+        a dropped replica's is kept as it was. `shares`: the share of the round each replica
+        trained (partial rounds: aggregators/weights.py; none given, or all equal: a full
+        round each), known alike on every rank.
         """
         stats = OuterStepStats()
         # Over every tensor of `hosted`, also those another position steps: the G outer
@@ -199,17 +202,17 @@ class OuterSync:
                 return stats
         device = next(iter(global_params.values())).device
         with stopwatch(stats, "merge_seconds", device):
-            payload = self.payloads.make(hosted, good, round_index, feedback)
+            payload = self.payloads.make(hosted, good, round_index, feedback, shares)
         if self.route.everyone_merges:
             with stopwatch(stats, "comm_seconds", device):
                 contributions = self.transport.everything(payload, summed=self.route.sums)
             with stopwatch(stats, "merge_seconds", device):
-                updates = self._updates(contributions, good, round_index)
+                updates = self._updates(contributions, good, round_index, shares)
         else:
             with stopwatch(stats, "comm_seconds", device):
                 contributions = self.transport.to_owners(payload, plan)
             with stopwatch(stats, "merge_seconds", device):
-                owned_updates = self._updates(contributions, good, round_index)
+                owned_updates = self._updates(contributions, good, round_index, shares)
             with stopwatch(stats, "comm_seconds", device):
                 updates = self.transport.from_owners(owned_updates, global_params, plan)
         with stopwatch(stats, "merge_seconds", device):
@@ -221,7 +224,8 @@ class OuterSync:
                     hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
                     seat: QuorumSeat, diverged: Collection[int] = (),
                     losses: Mapping[int, float] | None = None, waiting: bool = False,
-                    joining: bool = False) -> tuple[OuterStepStats, CommittedSync]:
+                    joining: bool = False, shares: Mapping[int, float] | None = None,
+                    step_seconds: float = 0.0) -> tuple[OuterStepStats, CommittedSync]:
         """The outer step over the workers alive this round (scaling.fault_tolerance:
         replica). This worker's payload goes to the round's quorum (quorum.py): the sum of its
         good hosted Δ_r when the merge needs only their mean, else each hosted Δ_r (pruned
@@ -230,7 +234,11 @@ class OuterSync:
         mean divides by the good replicas in it, a per-replica merge gets their Δ_r in replica
         order, and the replicas of a worker that sent nothing are left out like diverged ones.
         `losses` (each hosted replica's mean inner loss) are summed over the good ones into
-        the quorum's loss sum; `waiting`, `joining`: see QuorumSeat.sync. `global_params` and
+        the quorum's loss sum; `waiting`, `joining`: see QuorumSeat.sync; `shares`: the share
+        of the round each hosted replica trained (partial rounds, aggregators/weights.py: the
+        merge weights every contributor's Δ_r by the shares all of them sent),
+        `step_seconds` this worker's seconds per inner step (both into the sync's header).
+        `global_params` and
         the outer state may be replaced by a peer's inside the sync (this worker was behind: it
         brings no Δ), and the merge is keyed by the sync's round (CommittedSync.round), which
         is `round_index` only on a worker that was not behind. Needs a route on which every
@@ -249,12 +257,14 @@ class OuterSync:
         contribution = None
         if good:
             with stopwatch(stats, "merge_seconds", device):
-                payload = self.payloads.make(hosted, good, round_index)
+                payload = self.payloads.make(hosted, good, round_index, shares=shares)
                 copies = len(payload[names[0]])  # 1 (the sum) or each hosted replica's
                 flat = torch.cat([payload[name][copy].reshape(-1)
                                   for copy in range(copies) for name in names])
-            contribution = Contribution(flat, good, sum((losses or {}).get(r, 0.0)
-                                                        for r in good))
+            contribution = Contribution(
+                flat, good, sum((losses or {}).get(r, 0.0) for r in good),
+                shares={r: (shares or {}).get(r, 1.0) for r in good},
+                step_seconds=step_seconds)
         with stopwatch(stats, "comm_seconds", device):
             committed = seat.sync(contribution, waiting, joining, round_index)
         stats.dropped = [r for r in range(self.replicas) if r not in committed.good]
@@ -265,7 +275,7 @@ class OuterSync:
             return stats, committed
         with stopwatch(stats, "merge_seconds", device):
             updates = self._updates(self._quorum_contributions(committed, global_params),
-                                    committed.good, committed.round)
+                                    committed.good, committed.round, committed.shares)
             self.optimizer.apply(global_params, updates)
         return stats, committed
 
@@ -315,20 +325,24 @@ class OuterSync:
 
     # -- merging -------------------------------------------------------------------------------
 
-    def _updates(self, contributions: Contributions, good: Sequence[int], round_index: int
-                 ) -> dict[str, torch.Tensor]:
-        """The outer update u of every tensor in `contributions`: merge, then momentum."""
+    def _updates(self, contributions: Contributions, good: Sequence[int], round_index: int,
+                 shares: Mapping[int, float] | None = None) -> dict[str, torch.Tensor]:
+        """The outer update u of every tensor in `contributions`: merge, then momentum; each
+        Δ_r weighted by `shares` (aggregators/weights.py; the sums were weighted by their
+        senders: the mean divides by Σ f_r, which is the number of replicas when all are 1)."""
+        weights = [1.0 if shares is None else shares.get(r, 1.0) for r in good]
         if self.route.sums:
             means = {}
             for name, sources in contributions.items():
                 total = sources[0][0].to(torch.float32, copy=True)
                 for source in sources[1:]:
                     total += source[0]
-                means[name] = total / len(good)
+                means[name] = total / sum(weights)
             return self._momentum_updates(self._merged_means(means))
         # Replica r is payload tensor r % L of rank r // L: ranks host contiguous replicas.
         per_rank = self.hosted_per_rank
-        gathered = {name: [sources[r // per_rank][r % per_rank].float() for r in good]
+        gathered = {name: aggregators.weighted(
+                        [sources[r // per_rank][r % per_rank].float() for r in good], weights)
                     for name, sources in contributions.items()}
         if self.mean_only:  # every replica's (pruned) Δ_r came, not their sums
             means = {name: torch.stack(deltas).sum(dim=0) / len(good)
