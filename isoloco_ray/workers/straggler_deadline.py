@@ -5,9 +5,9 @@ to its data) makes every round wait for it. With one, each worker measures how l
 fastest contributor of recent syncs took per inner step (every contributor sends its own in
 the sync's header: CommittedSync.step_seconds) and takes no inner step of a round that, as
 long as its last, would end past `factor` times what the fastest needs for H steps (one step at
-least): a live straggler arrives at the sync about when the others do, and its replicas' Δ_r count by the steps they took
-(aggregators/weights.py). The fastest worker itself is never cut short in a round no slower
-than its usual ones.
+least): a live straggler arrives at the sync about when the others do, and its replicas' Δ_r
+count by the steps they took (aggregators/weights.py). The fastest worker itself is never cut
+short in a round no slower than its usual ones.
 
 Not checkpointed: a worker that starts (or resumes) takes all H steps until its first sync
 gives it a measurement.
