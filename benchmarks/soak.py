@@ -5,8 +5,8 @@ checked against the plain reference (issue 46, stage 4).
         [--strategies diloco,diloco_sgd,isoc,isoloco,isocts,tsv,ties-random,dare]
         [--kill-share 0.4] [--slow-share 0] [--fault-gap 2] [--json PATH] [train flags]
 
-One run per strategy (tiny model, one replica per worker, H = 4; each worker's step padded to
-a quarter of a second by sleeping, as a worker waiting on its accelerator, `--round-floor`:
+One run per strategy (tiny model, one replica per worker, H = 8; each worker's step padded to
+an eighth of a second by sleeping, as a worker waiting on its accelerator, `--round-floor`:
 five workers computing without it share this machine's two cores, and goodput would measure
 their contention), each a `python -m isoloco_ray.train` process on its own local Ray cluster,
 with its share of the faults, mixed and seeded (workers/ray_entry.py FaultHooks): SIGKILL of a
@@ -30,11 +30,11 @@ Per run (JSON, and a table):
 - `weights_equal_reference`: the run's `model_sha256` equals `run_over_quorums` over the
   contributors and replica steps metrics.jsonl recorded, bit for bit;
 - `rounds_with_partial_replicas`: rounds in which a straggler's steps were cut short;
-- `goodput`: the tokens that went into committed syncs over the tokens all W workers would
-  have trained between round 1's and the last committed sync at their failure-free rate
-  (the run's median rate over rounds every worker took and no fault touched), and
-  `goodput_bound`, the most these faults allow (pauses only), and goodput over it
-  (`goodput()`).
+- `goodput`: the tokens that went into committed syncs (each replica's steps) over the
+  tokens all W workers would have trained between round 1's and the last committed sync at
+  their failure-free rate (the run's median rate over rounds every worker took in full and no
+  fault touched), and `goodput_bound`, the most these faults allow (pauses, and what a
+  slowdown leaves untrained), and goodput over it (`goodput()`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ FAULT_GAP_S = 2.0  # between two faults
 KILL_OUT_S, STOP_EXTRA_S = 15.0, 3.0
 WARMUP_ROUNDS, TAIL_S = 4, 5.0  # without faults, at the start and the end of a run
 CHECKPOINT_EVERY = 20  # rounds: checkpoints are taken between faults, and across them
-INNER_STEPS = 4  # H: a straggler's partial round takes 1 to 3 of them
+INNER_STEPS = 8  # H: a straggler's partial round takes 1 to 7 of them
 
 
 @dataclass
@@ -91,6 +91,13 @@ class Fault:
         else:
             action = "" if self.pause is None else f"stop={self.pause:g}:"
         return f"{self.round}:{self.worker}:{action}{marker}"
+
+    @property
+    def label(self) -> str:
+        """kill, stop S or slow FxS, for the plan's printout."""
+        if self.slow is not None:
+            return f"slow {self.slow:g}x{self.slow_seconds:g}s"
+        return "kill" if self.pause is None else f"stop {self.pause:g}s"
 
     @property
     def kind(self) -> str:
@@ -253,8 +260,7 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
         "wall_seconds": round(result["wall_seconds"], 1)}
     if len(contributors) == rounds and len(commits) > 1:
         row.update(goodput(row, [by_round[j] for j in range(rounds + 1)],
-                           cfg.data.batch_size * cfg.data.seq_len, cfg.inner.steps,
-                           [f for f, _ in fired]))
+                           cfg.data.batch_size * cfg.data.seq_len, cfg.inner.steps, fired))
         steps = [by_round[j]["replica_steps"] for j in range(1, rounds + 1)]
         row["rounds_with_partial_replicas"] = sum(
             any(0 < taken < cfg.inner.steps for taken in s) for s in steps)
@@ -272,28 +278,36 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
 
 
 def goodput(row: dict[str, Any], records: list[dict[str, Any]], tokens_per_step: int,
-            steps: int, faults: list[Fault]) -> dict[str, float]:
+            steps: int, fired: list[tuple[Fault, float]]) -> dict[str, float]:
     """`failure_free_tokens_per_s`, `goodput`, `goodput_bound` and their ratio from a run's
-    `records` (metrics.jsonl, rounds 0..N). The window runs from round 1's commit to the
-    last: round 0 is the workers' first join and round 1 holds the start of the data
-    pipeline, which a run without faults pays alike. The failure-free rate is the median over
-    rounds every worker took after one every worker took (no fault near them). The bound: a
-    stopped worker trains nothing while stopped, but a lost one could be replaced at once and
-    nobody need wait, so only the pauses count, and of a slowdown by F what it leaves
-    untrained, 1 - (Σ pauses + Σ (1 - 1/F)·length) / (W x the window). The tokens committed
-    are each round's replicas' steps (a straggler's partial round: fewer than H) x the
-    tokens of a step."""
+    `records` (metrics.jsonl, rounds 0..N) and its `fired` faults with their times. The window
+    runs from round 1's commit to the last: round 0 is the workers' first join and round 1
+    holds the start of the data pipeline, which a run without faults pays alike. The
+    failure-free rate is the median over rounds every worker took in full (H steps each) after
+    one they all took, no pause or slowdown active in either (a slowed round is slow, and a
+    cut one short). The bound: a stopped worker trains nothing while stopped, but a lost one
+    could be replaced at once and nobody need wait, so only the pauses count, and of a
+    slowdown by F what it leaves untrained, 1 - (Σ pauses + Σ (1 - 1/F)·length) / (W x the
+    window). The tokens committed are each round's replicas' steps (a straggler's partial
+    round: fewer than H) x the tokens of a step."""
     workers = row["workers"]
-    tokens_per_replica = steps * tokens_per_step
-    full = [len(r["contributors"]) == workers for r in records]
-    clean = [workers * tokens_per_replica
+    active = [(at, at + (fault.slow_seconds or fault.pause or 0.0) + 1.0)
+              for fault, at in fired if fault.kind != "kill"]
+
+    def clean(j: int) -> bool:
+        start, end = records[j - 1]["committed_at"], records[j]["committed_at"]
+        return (len(records[j]["contributors"]) == workers
+                and all(taken == steps for taken in records[j]["replica_steps"])
+                and not any(begin < end and start < finish for begin, finish in active))
+
+    rates = [workers * steps * tokens_per_step
              / (records[j]["committed_at"] - records[j - 1]["committed_at"])
-             for j in range(3, len(records)) if full[j] and full[j - 1]]
-    rate = statistics.median(clean) if clean else math.nan
+             for j in range(3, len(records)) if clean(j) and clean(j - 1)]
+    rate = statistics.median(rates) if rates else math.nan
     seconds = records[-1]["committed_at"] - records[1]["committed_at"]
     committed = sum(sum(r["replica_steps"]) for r in records[2:]) * tokens_per_step
-    pauses = sum(fault.lost_seconds for fault in faults)
-    achieved, bound = committed / (rate * seconds), 1 - pauses / (workers * seconds)
+    lost = sum(fault.lost_seconds for fault, _ in fired)
+    achieved, bound = committed / (rate * seconds), 1 - lost / (workers * seconds)
     return {"failure_free_tokens_per_s": round(rate, 1), "goodput": round(achieved, 4),
             "goodput_bound": round(bound, 4), "goodput_of_bound": round(achieved / bound, 4)}
 
@@ -363,9 +377,8 @@ def main(argv: list[str]) -> None:
                                      kill_share=args.kill_share)
         flags = train_flags(args.workers, rounds, data,
                             STRATEGIES[name] or [f"--outer.strategy={name}"]) + extra
-        print(f"{name}: {rounds} rounds, faults (round, worker, kill, stop s or slow F/s): "
-              f"{[(f.round, f.worker, f.spec(Path('')).split(':')[2] or 'kill') for f in faults]}",
-              flush=True)
+        print(f"{name}: {rounds} rounds, faults (round, worker, what): "
+              f"{[(f.round, f.worker, f.label) for f in faults]}", flush=True)
         result = train(name, flags, args.out, faults, args.round_floor)
         rows.append(figures(name, flags, data, args.out / name, result, faults, args.workers))
         print(json.dumps(rows[-1]), flush=True)
