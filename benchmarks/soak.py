@@ -228,6 +228,8 @@ def scored_loss(cfg: Any, data: Path, theta: dict[str, Any]) -> float:
 def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict[str, Any],
             faults: list[Fault], workers: int) -> dict[str, Any]:
     """The run's figures (the module's docstring)."""
+    import torch
+
     from isoloco_ray.config import load_config
     from isoloco_ray.workers import checkpoint, plain_loop
 
@@ -264,6 +266,9 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
         steps = [by_round[j]["replica_steps"] for j in range(1, rounds + 1)]
         row["rounds_with_partial_replicas"] = sum(
             any(0 < taken < cfg.inner.steps for taken in s) for s in steps)
+        # On the workers' thread count: float64 merges (tsv, isocts) depend on it on some
+        # CPUs' MKL.
+        torch.set_num_threads(cfg.scaling.torch_threads)
         reference = plain_loop.run_over_quorums(cfg, data, contributors, steps)
         row["weights_equal_reference"] = (summary.get("model_sha256")
                                           == checkpoint.parameters_sha256(reference))

@@ -154,7 +154,9 @@ def s3_data(small_dataset, s3_bucket) -> str:
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Torch on one intra-op thread for a test module, restored afterwards."""
+    """Torch on one intra-op thread for a test module, restored afterwards: a reference
+    computed in this process then runs on as many threads as run_local's ranks (one), which
+    float64 results depend on with some CPUs' MKL (seen on an AMD EPYC)."""
     import torch
 
     threads = torch.get_num_threads()

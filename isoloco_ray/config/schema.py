@@ -348,9 +348,16 @@ class OuterConfig(Section):
         mix): then they are part of a checkpoint."""
         return self.fragments > 1 or self.delay > 0 or self.mix > 0
 
+    @property
+    def lossy_wire(self) -> bool:
+        """Whether the outer sync's wire loses anything: a lossy outer.comm_dtype (the
+        registry's WIRE_FORMATS) or outer.topk. Error feedback needs one; the quorum's outer
+        step (scaling.fault_tolerance: replica) moves float32 and runs none yet."""
+        return not WIRE_FORMATS[self.comm_dtype].lossless or self.topk is not None
+
     @model_validator(mode="after")
     def _check_error_feedback(self) -> OuterConfig:
-        if self.error_feedback and WIRE_FORMATS[self.comm_dtype].lossless and self.topk is None:
+        if self.error_feedback and not self.lossy_wire:
             raise ValueError("outer.error_feedback corrects what the transport loses, and float32 "
                              "without outer.topk loses nothing: set outer.comm_dtype to int8, "
                              "float8 or bfloat16, or outer.topk, or turn error_feedback off")

@@ -145,7 +145,7 @@ class TrainConfig(Section):
         if not outer.has_outer_step:
             unsupported.append("outer.strategy adamw_ddp (it all-reduces every inner step)")
         else:
-            if outer.comm_dtype != "float32" or outer.topk is not None:
+            if outer.lossy_wire:
                 unsupported.append("a compressed outer sync (outer.comm_dtype, outer.topk)")
         if outer.streaming:
             unsupported.append("outer.fragments, outer.delay or outer.mix")

@@ -28,6 +28,11 @@ from isoloco_ray.workers.outer.step import OuterSync  # noqa: E402
 from isoloco_ray.workers.quorum import (CommittedSync, Contribution, QuorumSeat,  # noqa: E402
                                         WorkersDiffer)
 
+# Torch on one thread, as the one-process references here and the local runs' ranks: three
+# Trainers on threads calling MKL at once, or a reference on more threads than the run it is
+# compared with, split float64 work otherwise on some CPUs (an AMD EPYC: tsv, isoloco).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPLICAS, HOSTED, NUMEL = 6, 2, 7  # 3 workers hosting 2 replicas each
 
 
@@ -769,20 +774,8 @@ def _raised(call: Callable[[], Any]) -> tuple[BaseException | None]:
     return (None,)
 
 
-@pytest.fixture
-def one_torch_thread():
-    """torch (and MKL) on one thread while the test runs: three Trainers on threads of one
-    process call MKL at once, which on some CPUs (seen on an AMD EPYC) then splits float64
-    work differently from one process alone, and the layouts' equality is about what each
-    computes, not about BLAS threading."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_trainers_merging_every_replica_over_a_quorum_end_as_one_process_hosting_them_all(
-        lighthouse, small_dataset, one_torch_thread):
+        lighthouse, small_dataset):
     """TSV (a merge of every Δ_r) on 3 seated Trainers: each worker's 2 Δ_r travel through
     the quorum and every worker merges all 6 in replica order, so each ends, bit for bit,
     where one process hosting all 6 replicas (restart mode's layout V = 6) ends."""
@@ -796,8 +789,7 @@ def test_trainers_merging_every_replica_over_a_quorum_end_as_one_process_hosting
 
 
 def test_a_replica_run_without_failures_is_the_restart_run_of_its_layout(lighthouse,
-                                                                         small_dataset,
-                                                                         one_torch_thread):
+                                                                         small_dataset):
     """isoloco on 3 seated Trainers, nobody lost, against restart mode's 3 gloo processes
     (its route for a spectral merge: each rank's sum to the tensor's owner, added in rank
     order, as the quorum adds them): the same parameters, bit for bit (no straggler deadline:

@@ -247,7 +247,7 @@ class OuterSync:
         if not self.route.everyone_merges:
             raise ValueError(f"outer.strategy {self.outer.strategy} merges on owner ranks: the "
                              "quorum's outer step needs outer.placement=replicated")
-        if self.outer.comm_dtype != "float32" or self.outer.topk is not None:
+        if self.outer.lossy_wire:
             raise ValueError("the quorum's outer step moves float32: outer.comm_dtype float32 "
                              "without outer.topk")
         stats = OuterStepStats()
