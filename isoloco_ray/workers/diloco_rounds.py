@@ -182,7 +182,7 @@ class DiLoCoRounds:
             started = time.perf_counter()
             stats, committed = parts.outer.quorum_step(
                 target, deltas, sync_round, parts.env.seat, diverged, self._mean_losses(losses),
-                shares={r: taken / parts.cfg.inner.steps for r, taken in steps.items()},
+                trained={r: taken / parts.cfg.inner.steps for r, taken in steps.items()},
                 step_seconds=inner_seconds / max(1, sum(steps.values())))
             stats.wait_seconds = time.perf_counter() - started
             self.committed = committed

@@ -120,7 +120,7 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
                 every_delta.step(theta, {r: deltas.get(r) or {n: torch.zeros_like(t)
                                                               for n, t in theta.items()}
                                          for r in range(len(replicas))},
-                                 round_index, diverged=absent, shares=shares)
+                                 round_index, diverged=absent, trained=shares)
             else:
                 divisor = sum(shares[r] for worker in present
                               for r in range(worker * hosted, worker * hosted + hosted))

@@ -259,7 +259,7 @@ class Peer:
     def step(self, round_index: int, diverged: set[int],
              shares: dict[int, float] | None = None) -> CommittedSync:
         _, committed = self.outer.quorum_step(self.theta, hosted_deltas(round_index, self.rank),
-                                              round_index, self.seat, diverged, shares=shares)
+                                              round_index, self.seat, diverged, trained=shares)
         return committed
 
 
@@ -379,7 +379,7 @@ def test_a_stragglers_partial_round_counts_by_its_share_over_the_quorum(lighthou
         reference.optimizer.apply(theta, {name: reference.optimizer.update(name, mean)
                                           for name, mean in means.items()})
     else:
-        reference.step(theta, deltas, 1, shares=shares)
+        reference.step(theta, deltas, 1, trained=shares)
     unweighted = seeded(0)
     OuterSync(outer, REPLICAS, seed=0).step(unweighted, deltas, 1)
     for peer in peers:

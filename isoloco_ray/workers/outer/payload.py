@@ -48,14 +48,15 @@ class Payloads:
 
     def make(self, hosted: Mapping[int, Mapping[str, torch.Tensor]], good: Sequence[int],
              round_index: int, feedback: Mapping[int, dict[str, torch.Tensor]] | None = None,
-             shares: Mapping[int, float] | None = None) -> dict[str, list[torch.Tensor]]:
+             trained: Mapping[int, float] | None = None) -> dict[str, list[torch.Tensor]]:
         """Per tensor, what this rank sends: [Σ of its good replicas' Δ_r] (the route sends
         sums), or every hosted Δ_r in replica order (bad ones too; the merge leaves them out).
         With `feedback`, replica r sends x = Δ_r + e_r (pruned first where the mean of pruned
         Δ_r is merged) and keeps e_r ← x − decode(encode(x)): what the wire lost this round is
-        sent with the next round's. `shares` (partial rounds: aggregators/weights.py): the sum
-        is Σ f_r·Δ_r, the mean then divides by Σ f_r (a share of 1, or none given: Δ_r as it
-        is); each Δ_r is sent as it is, the merge weights it."""
+        sent with the next round's. `trained`, the share f_r of the round each replica trained
+        (partial rounds: aggregators/weights.py): the sum is Σ f_r·Δ_r, the mean then divides
+        by Σ f_r (a share of 1, or none given: Δ_r as it is); each Δ_r is sent as it is, the
+        merge weights it."""
         order = sorted(hosted)
         names = list(hosted[order[0]])
         if not self.route.sums:
@@ -83,7 +84,7 @@ class Payloads:
                 if self.merge.prune_where_hosted:
                     # A mean of sparsified Δ_r needs only their sum: prune where hosted.
                     delta = self.pruned(delta, round_index, replica, name)
-                share = 1.0 if shares is None else shares.get(replica, 1.0)
+                share = 1.0 if trained is None else trained.get(replica, 1.0)
                 total += delta if share == 1.0 else delta * share
             payload[name] = [total]
         return payload

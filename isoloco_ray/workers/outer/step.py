@@ -171,7 +171,7 @@ class OuterSync:
              hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
              diverged: Collection[int] = (),
              feedback: Mapping[int, dict[str, torch.Tensor]] | None = None,
-             shares: Mapping[int, float] | None = None) -> OuterStepStats:
+             trained: Mapping[int, float] | None = None) -> OuterStepStats:
         """Apply one outer step to `global_params` in place from the hosted replicas' Δ_r
         (with G positions, to this position's share of them: see `shares`).
 
@@ -180,7 +180,7 @@ class OuterSync:
         With none left the round is skipped: parameters and momentum stay as they were.
         `feedback` (outer.error_feedback): each hosted replica's residual, added to its Δ_r
         before it is sent and replaced by what the transport loses of that (payload.py);
-        a dropped replica's is kept as it was. `shares`: the share of the round each replica
+        a dropped replica's is kept as it was. `trained`: the share of the round each replica
         trained (partial rounds: aggregators/weights.py; none given, or all equal: a full
         round each), known alike on every rank.
         """
@@ -202,17 +202,17 @@ class OuterSync:
                 return stats
         device = next(iter(global_params.values())).device
         with stopwatch(stats, "merge_seconds", device):
-            payload = self.payloads.make(hosted, good, round_index, feedback, shares)
+            payload = self.payloads.make(hosted, good, round_index, feedback, trained)
         if self.route.everyone_merges:
             with stopwatch(stats, "comm_seconds", device):
                 contributions = self.transport.everything(payload, summed=self.route.sums)
             with stopwatch(stats, "merge_seconds", device):
-                updates = self._updates(contributions, good, round_index, shares)
+                updates = self._updates(contributions, good, round_index, trained)
         else:
             with stopwatch(stats, "comm_seconds", device):
                 contributions = self.transport.to_owners(payload, plan)
             with stopwatch(stats, "merge_seconds", device):
-                owned_updates = self._updates(contributions, good, round_index, shares)
+                owned_updates = self._updates(contributions, good, round_index, trained)
             with stopwatch(stats, "comm_seconds", device):
                 updates = self.transport.from_owners(owned_updates, global_params, plan)
         with stopwatch(stats, "merge_seconds", device):
@@ -224,7 +224,7 @@ class OuterSync:
                     hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
                     seat: QuorumSeat, diverged: Collection[int] = (),
                     losses: Mapping[int, float] | None = None, waiting: bool = False,
-                    joining: bool = False, shares: Mapping[int, float] | None = None,
+                    joining: bool = False, trained: Mapping[int, float] | None = None,
                     step_seconds: float = 0.0) -> tuple[OuterStepStats, CommittedSync]:
         """The outer step over the workers alive this round (scaling.fault_tolerance:
         replica). This worker's payload goes to the round's quorum (quorum.py): the sum of its
@@ -234,7 +234,7 @@ class OuterSync:
         mean divides by the good replicas in it, a per-replica merge gets their Δ_r in replica
         order, and the replicas of a worker that sent nothing are left out like diverged ones.
         `losses` (each hosted replica's mean inner loss) are summed over the good ones into
-        the quorum's loss sum; `waiting`, `joining`: see QuorumSeat.sync; `shares`: the share
+        the quorum's loss sum; `waiting`, `joining`: see QuorumSeat.sync; `trained`: the share
         of the round each hosted replica trained (partial rounds, aggregators/weights.py: the
         merge weights every contributor's Δ_r by the shares all of them sent),
         `step_seconds` this worker's seconds per inner step (both into the sync's header).
@@ -257,13 +257,13 @@ class OuterSync:
         contribution = None
         if good:
             with stopwatch(stats, "merge_seconds", device):
-                payload = self.payloads.make(hosted, good, round_index, shares=shares)
+                payload = self.payloads.make(hosted, good, round_index, trained=trained)
                 copies = len(payload[names[0]])  # 1 (the sum) or each hosted replica's
                 flat = torch.cat([payload[name][copy].reshape(-1)
                                   for copy in range(copies) for name in names])
             contribution = Contribution(
                 flat, good, sum((losses or {}).get(r, 0.0) for r in good),
-                shares={r: (shares or {}).get(r, 1.0) for r in good},
+                shares={r: (trained or {}).get(r, 1.0) for r in good},
                 step_seconds=step_seconds)
         with stopwatch(stats, "comm_seconds", device):
             committed = seat.sync(contribution, waiting, joining, round_index)
@@ -326,11 +326,12 @@ class OuterSync:
     # -- merging -------------------------------------------------------------------------------
 
     def _updates(self, contributions: Contributions, good: Sequence[int], round_index: int,
-                 shares: Mapping[int, float] | None = None) -> dict[str, torch.Tensor]:
+                 trained: Mapping[int, float] | None = None) -> dict[str, torch.Tensor]:
         """The outer update u of every tensor in `contributions`: merge, then momentum; each
-        Δ_r weighted by `shares` (aggregators/weights.py; the sums were weighted by their
-        senders: the mean divides by Σ f_r, which is the number of replicas when all are 1)."""
-        weights = [1.0 if shares is None else shares.get(r, 1.0) for r in good]
+        Δ_r weighted by the share of the round it `trained` (aggregators/weights.py; the sums
+        were weighted by their senders: the mean divides by Σ f_r, which is the number of
+        replicas when all are 1)."""
+        weights = [1.0 if trained is None else trained.get(r, 1.0) for r in good]
         if self.route.sums:
             means = {}
             for name, sources in contributions.items():
