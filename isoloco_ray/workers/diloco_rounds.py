@@ -146,13 +146,14 @@ class DiLoCoRounds:
         hook = self.parts.env.after_step
         if hook is None and deadline is None:
             return None
-        previous = [time.perf_counter()]
+        previous = time.perf_counter()
 
         def after_step() -> bool:
+            nonlocal previous
             if hook is not None:
                 hook(round_index, replica)
             now = time.perf_counter()
-            step, previous[0] = now - previous[0], now
+            step, previous = now - previous, now
             return deadline is not None and now + step > deadline
 
         return after_step

@@ -92,8 +92,9 @@ class CommittedSync:
     participants: list[int]  # worker ranks in the quorum, ascending
     contributors: list[int]  # those that brought a Δ, ascending
     payloads: list[torch.Tensor]  # the contributors' payloads, in rank order
-    good: list[int]  # the replicas whose Δ_r are in the payloads, ascending
-    shares: dict[int, float]  # of each of `good`: the share of the round it trained
+    # The replicas whose Δ_r are in the payloads, ascending, each with the share of the round
+    # it trained (h_r / H).
+    shares: dict[int, float]
     loss_sum: float  # Σ over the contributors' loss sums
     attempts: int  # quorums it took (1 when nobody failed)
     # The round every participant is at once healed: the sync's.
@@ -109,6 +110,11 @@ class CommittedSync:
     # A join without a Δ, not committed, in which every participant would rather wait for
     # the workers missing: sync again.
     again: bool = False
+
+    @property
+    def good(self) -> list[int]:
+        """The replicas whose Δ_r are in the payloads, ascending."""
+        return sorted(self.shares)
 
     @property
     def writer(self) -> int:
@@ -273,7 +279,6 @@ class QuorumSeat:
             participants=[ranks[i] for i in order],
             contributors=[ranks[i] for i in contributors],
             payloads=[gathered[i] for i in contributors],
-            good=[r for r in range(self.replicas) if shares[r] > 0],
             shares={r: shares[r] for r in range(self.replicas) if shares[r] > 0},
             step_seconds=[float(header[i, STEP_SECONDS]) for i in contributors],
             loss_sum=float(sum(header[i, 2] for i in contributors)),
