@@ -20,6 +20,17 @@ c10d TCPStore binds all interfaces whatever MASTER_ADDR says (torch/distributed/
 socket already bound to MASTER_ADDR when that is a loopback address (`master_listen_fd`), and
 changes nothing otherwise.
 
+Ray's state API, which Ray Train's placement-group cleaner asks every second whether a run's
+controller still lives, is found through the dashboard address the cluster's GCS records: that
+is 127.0.0.1:8265 even on a cluster that runs no dashboard. Whatever else answers there (the
+dashboard of another Ray cluster on the machine: a grid, a test session, another user's) knows
+none of this cluster's actors, its "no such actor" reads as the controller's death, and the
+cleaner removes a live run's placement group, every worker with it. So every worker of a local
+cluster is told its own state API (RAY_API_SERVER_ADDRESS, read before any other address): its
+dashboard on a port chosen for it, or, without one, a loopback port this process holds bound and
+never listens on, where every query is refused (the cleaner takes a refused query for "unknown"
+and asks again; the run's controller dies only with this process, and the cluster with it).
+
 `non_loopback_listeners` lists what a set of processes listens on outside loopback (the check in
 tests/test_local_ray.py).
 """
@@ -40,6 +51,9 @@ AUTH_MODE_ENV = "RAY_AUTH_MODE"
 # The default quiet settings of our local clusters (train.py start_ray, tests/conftest.py).
 QUIET_INIT = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
 _HOOK = f"{__name__}.loopback_worker_setup"
+STATE_API_ENV = "RAY_API_SERVER_ADDRESS"  # Ray's own variable (ray_constants)
+# Bound to a loopback port, never listening, for this process's life: refuses connections.
+_refusing: socket.socket | None = None
 _RENDEZVOUS = "torch.distributed.rendezvous"
 
 
@@ -76,8 +90,9 @@ def unreachable_ray_address(timeout: float = ADDRESS_CHECK_SECONDS) -> str | Non
 
 
 def start_local_cluster(num_cpus: int, **kwargs: Any) -> None:
-    """`ray.init` a new single-node cluster on 127.0.0.1 only, with QUIET_INIT's settings;
-    kwargs go to `ray.init` and override those. Raises RuntimeError (after shutting Ray down
+    """`ray.init` a new single-node cluster on 127.0.0.1 only, with QUIET_INIT's settings, its
+    workers told its own state API (own_state_api); kwargs go to `ray.init` and override
+    those. Raises RuntimeError (after shutting Ray down
     again) if the node did not get the loopback address.
 
     Token authentication is Ray 2.60's own default for a cluster that ray.init starts
@@ -91,6 +106,7 @@ def start_local_cluster(num_cpus: int, **kwargs: Any) -> None:
 
     options = {**QUIET_INIT, **kwargs}
     options["runtime_env"] = _with_loopback_workers(options.get("runtime_env"))
+    options["runtime_env"]["env_vars"][STATE_API_ENV] = own_state_api(options)
     cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False  # keeps 127.0.0.1 from being "resolved" away
     try:
@@ -111,6 +127,24 @@ def start_local_cluster(num_cpus: int, **kwargs: Any) -> None:
         warnings.warn(f"{AUTH_MODE_ENV}={os.environ.get(AUTH_MODE_ENV)}: the local Ray cluster "
                       "runs without token authentication (it listens on 127.0.0.1 only)",
                       stacklevel=2)
+
+
+def own_state_api(options: dict[str, Any]) -> str:
+    """The URL of the state API of the cluster `options` (ray.init's) start: with a dashboard,
+    the dashboard's, on a free loopback port chosen here unless `dashboard_port` names one
+    (written into `options`); without one, a port that refuses every connection (the module's
+    docstring says why)."""
+    global _refusing
+    if options.get("include_dashboard"):
+        if not options.get("dashboard_port"):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind((LOOPBACK, 0))
+                options["dashboard_port"] = probe.getsockname()[1]
+        return f"http://{LOOPBACK}:{options['dashboard_port']}"
+    if _refusing is None:
+        _refusing = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        _refusing.bind((LOOPBACK, 0))
+    return f"http://{LOOPBACK}:{_refusing.getsockname()[1]}"
 
 
 def _with_loopback_workers(runtime_env: Any) -> dict[str, Any]:

@@ -121,6 +121,59 @@ def test_local_cluster_refuses_clients_without_the_token(ray_cluster):
                           metadata=[("authorization", f"Bearer {token}")])
 
 
+def test_workers_ask_their_own_clusters_state_api(ray_cluster):
+    """Ray Train's placement-group cleaner runs as a detached actor that the run's controller
+    (an actor) starts, and asks the state API whether the controller lives: there, the state
+    API is this cluster's own dashboard (not whatever listens at the 127.0.0.1:8265 the GCS
+    records by default), which knows the controller alive, then dead."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Cleaner:
+        def ask(self, actor_id: str) -> tuple[str, str, bool]:
+            from ray.dashboard.utils import get_address_for_submission_client
+            from ray.train.v2._internal.state.util import is_actor_alive
+
+            return (os.environ[local_ray.STATE_API_ENV],
+                    get_address_for_submission_client(None), is_actor_alive(actor_id, 30))
+
+    @ray.remote(num_cpus=0)
+    class Controller:
+        def start_cleaner(self) -> ray.actor.ActorHandle:
+            return Cleaner.options(lifetime="detached").remote()
+
+    controller = Controller.remote()
+    cleaner = ray.get(controller.start_cleaner.remote())
+    controller_id = controller._actor_id.hex()
+    try:
+        told, resolved, alive = ray.get(cleaner.ask.remote(controller_id), timeout=60)
+        assert told == resolved and told.startswith("http://127.0.0.1:")
+        assert alive
+        ray.kill(controller)
+        _, _, alive = ray.get(cleaner.ask.remote(controller_id), timeout=60)
+        assert not alive
+    finally:
+        ray.kill(cleaner)
+
+
+def test_without_a_dashboard_every_state_query_is_refused(monkeypatch):
+    """A cluster without a dashboard has its workers ask a loopback port that refuses every
+    connection: the cleaner's query fails (it goes on watching) rather than reading another
+    cluster's "no such actor" as its controller's death."""
+    from ray.train.v2._internal.state.util import is_actor_alive
+    from ray.util.state.exception import RayStateApiException
+
+    url = local_ray.own_state_api({"include_dashboard": False})
+    assert url == local_ray.own_state_api({}) and url.startswith("http://127.0.0.1:")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5)
+    monkeypatch.setenv(local_ray.STATE_API_ENV, url)
+    with pytest.raises(RayStateApiException):
+        is_actor_alive("ab" * 16, timeout=5)
+    options = {"include_dashboard": True}
+    assert local_ray.own_state_api(options) == f"http://127.0.0.1:{options['dashboard_port']}"
+
+
 def test_non_loopback_listeners_sees_wildcard_and_network_sockets():
     with socket.create_server(("0.0.0.0", 0)) as wildcard, \
             socket.create_server(("127.0.0.1", 0)) as loopback, \
