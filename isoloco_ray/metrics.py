@@ -83,13 +83,15 @@ class RoundMetrics(_JsonRecord):
     # The inner steps each replica's Δ_r in the merge took (0: not in it); fewer than H for
     # a straggler's partial round (scaling.straggler_deadline).
     replica_steps: list[int] | None = None
+    round_steps: int | None = None  # H: the inner steps of a round taken in full
 
     def partial_replicas(self) -> dict[int, int]:
-        """The replicas in the merge that took fewer inner steps than the round's most (a
-        straggler's partial round), with their steps."""
+        """The replicas in the merge that took fewer inner steps than a full round's H (a
+        straggler's partial round), with their steps. (A record without `round_steps`, of an
+        earlier version, compares with the round's most steps instead.)"""
         steps = self.replica_steps or []
-        most = max(steps, default=0)
-        return {r: taken for r, taken in enumerate(steps) if 0 < taken < most}
+        full = self.round_steps or max(steps, default=0)
+        return {r: taken for r, taken in enumerate(steps) if 0 < taken < full}
 
     def progress_line(self, rounds: int, overlapped: bool = False) -> str:
         """The console's line for this round; with `overlapped` (outer.delay > 0) it adds how

@@ -218,6 +218,12 @@ def test_the_summary_counts_worker_losses_once_per_loss_and_a_resume_does_not_do
             "lost at once)")
     assert "without workers [1]" in format_progress(json.loads(lines[2]), 6)
     assert "without workers" not in format_progress(json.loads(lines[1]), 6)
+    # A round in which every replica was cut short is partial too: against H (round_steps),
+    # not against the round's most steps (which records of an earlier version fall back to).
+    all_cut = {**json.loads(line(1, every, steps=[3, 3, 2])), "round_steps": 4}
+    assert quorum_summary([json.dumps(all_cut)])["rounds_with_partial_replicas"] == 1
+    assert "partial replica 0 3 steps, replica 1 3 steps, replica 2 2 steps" in format_progress(
+        all_cut, 6)
 
 
 def test_a_resume_records_the_checkpoints_round_once_if_the_stopped_run_never_did(

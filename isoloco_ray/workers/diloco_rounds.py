@@ -262,8 +262,8 @@ class DiLoCoRounds:
         healed; at the join before round 1, those not in it), the quorums it took (1 when
         nobody failed), the seconds this worker waited for them and when it saw the sync
         committed (a fault's stall is measured to it: benchmarks/soak.py), and the inner steps
-        each replica's Δ_r in the merge took (0: not in it; fewer than H: a straggler's partial
-        round, which plain_loop.run_over_quorums replays): RoundMetrics' quorum
+        each replica's Δ_r in the merge took (0: not in it; fewer than H, `round_steps`: a
+        straggler's partial round, which plain_loop.run_over_quorums replays): RoundMetrics' quorum
         fields (a name that is not one is refused when the record is built)."""
         if self.committed is None:
             return {}
@@ -276,6 +276,7 @@ class DiLoCoRounds:
                 "sync_attempts": self.committed.attempts,
                 "replica_steps": [round(self.committed.shares.get(r, 0.0) * steps)
                                   for r in range(self.parts.cfg.scaling.replicas)],
+                "round_steps": steps,
                 "quorum_wait_seconds": self.committed.quorum_seconds,
                 "committed_at": self.committed.committed_at}
 
