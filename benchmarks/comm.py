@@ -46,6 +46,14 @@ about 2 (less where the cost split leaves the bytes uneven).
     python benchmarks/comm.py --quick  # part 1 at W = 4; part 2 on 1 block (~7 min)
     python benchmarks/comm.py --part 1 --strategies diloco tsv
     python benchmarks/comm.py --part 3 --strategies diloco isoloco tsv   # (~1 min)
+    python benchmarks/comm.py --part 4   # SparseLoCo's wire on 178M's shapes (~1 min)
+
+Part 4 sizes SparseLoCo's wire (workers/outer/chunk_topk_codec.py: chunk-wise top-k, 2- or
+4-bit values, 12-bit positions) on the real 178M tensors, with no training: the bytes one
+replica sends per round against its float32 Δ_r (P), and what a worker receives at R = 8 on
+W = 4 (L = 2 replicas each) when every worker gathers every payload, (W-1)·L·payload, against
+DiLoCo's float32 all-reduce of the sums, 2(W-1)/W·P, and an all-gather of every float32 Δ_r,
+(W-1)·L·P; and the seconds one replica's payload takes to encode and to decode here (CPU).
 """
 
 from __future__ import annotations
@@ -346,10 +354,44 @@ def part3(strategies: list[str]) -> None:
     print(flush=True)
 
 
+# -- part 4: SparseLoCo's wire ---------------------------------------------------------
+
+# (density, value bits): the paper's 1% and 3.125% (128 of each 4096), 2 bits; 4 bits.
+SPARSE_WIRES = ((0.01, 2), (1 / 32, 2), (1 / 64, 2), (1 / 32, 4))
+
+
+def part4() -> None:
+    from isoloco_ray.workers.outer.chunk_topk_codec import ChunkTopKCodec
+
+    shapes = model_shapes("178M", LAYERS)
+    p = float32_bytes(shapes)
+    workers, hosted = TARGET_RANKS, REPLICAS // TARGET_RANKS
+    all_reduce, all_gather = 2 * (workers - 1) / workers * p, (workers - 1) * hosted * p
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=generator) for shape in shapes.values()]
+    print(f"## Part 4: SparseLoCo's wire, 178M ({p / 2**20:,.0f} MiB of float32 Δ_r), "
+          f"R = {REPLICAS} on W = {workers}\n")
+    print("| density | bits | sent per replica | P / sent | received per worker "
+          "(gathered) | vs float32 all-reduce | vs float32 all-gather | encode s | "
+          "decode s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for density, bits in SPARSE_WIRES:
+        codec = ChunkTopKCodec(density, bits)
+        sent = sum(codec.elements(shape) for shape in shapes.values())
+        received = (workers - 1) * hosted * sent
+        wire, encode_s = timed(lambda: codec.encode(tensors, torch.device("cpu")))
+        _, decode_s = timed(lambda: codec.decode(wire, list(shapes.values())))
+        assert wire.numel() == sent
+        print(f"| {density:.4f} | {bits} | {sent / 2**20:,.2f} MiB | {p / sent:.1f}x "
+              f"| {received / 2**20:,.2f} MiB | {all_reduce / received:.1f}x fewer "
+              f"| {all_gather / received:.1f}x fewer | {encode_s:.2f} | {decode_s:.2f} |")
+    print(flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", type=int, nargs="+", choices=(1, 2, 3),
-                        default=[1, 2, 3])
+    parser.add_argument("--part", type=int, nargs="+", choices=(1, 2, 3, 4),
+                        default=[1, 2, 3, 4])
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES,
                         default=list(STRATEGIES))
     parser.add_argument("--ranks", type=int, nargs="+", choices=(2, 4, 8),
@@ -375,8 +417,10 @@ def main() -> None:
             part1(args.strategies, worlds)
         elif part == 2:
             part2(args.strategies, blocks, args.seed)
-        else:
+        elif part == 3:
             part3(args.strategies)
+        else:
+            part4()
         took = time.perf_counter() - started
         print(f"(part {part}: {took:.0f} s wall)\n", flush=True)
 
