@@ -323,6 +323,10 @@ class OuterConfig(Section):
     error_feedback: bool = Field(
         False, description="each replica adds what the transport lost of its pseudo-gradient "
         "last round to this round's before sending it (needs a lossy comm_dtype or topk)")
+    error_decay: float = Field(
+        1.0, gt=0, le=1, description="error feedback's β: each replica's residual is "
+        "multiplied by it before it joins the next round's pseudo-gradient (SparseLoCo's "
+        "decaying accumulator uses 0.95; 1 keeps it whole). Needs error_feedback")
 
     fragments: int = Field(
         1, ge=1, description="streaming: split the parameters into this many fragments of whole "
@@ -361,6 +365,10 @@ class OuterConfig(Section):
             raise ValueError("outer.error_feedback corrects what the transport loses, and float32 "
                              "without outer.topk loses nothing: set outer.comm_dtype to int8, "
                              "float8 or bfloat16, or outer.topk, or turn error_feedback off")
+        if self.error_decay != 1.0 and not self.error_feedback:
+            raise ValueError(f"outer.error_decay ({self.error_decay:g}) decays error feedback's "
+                             "residuals: set outer.error_feedback=true, or leave error_decay "
+                             "at 1")
         if self.error_feedback and not self.has_outer_step:
             raise ValueError("outer.error_feedback has no effect with adamw_ddp (it has no outer "
                              "sync): turn it off")

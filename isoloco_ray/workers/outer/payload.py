@@ -51,12 +51,12 @@ class Payloads:
              trained: Mapping[int, float] | None = None) -> dict[str, list[torch.Tensor]]:
         """Per tensor, what this rank sends: [Σ of its good replicas' Δ_r] (the route sends
         sums), or every hosted Δ_r in replica order (bad ones too; the merge leaves them out).
-        With `feedback`, replica r sends x = Δ_r + e_r (pruned first where the mean of pruned
-        Δ_r is merged) and keeps e_r ← x − decode(encode(x)): what the wire lost this round is
-        sent with the next round's. `trained`, the share f_r of the round each replica trained
-        (partial rounds: aggregators/weights.py): the sum is Σ f_r·Δ_r, the mean then divides
-        by Σ f_r (a share of 1, or none given: Δ_r as it is); each Δ_r is sent as it is, the
-        merge weights it."""
+        With `feedback`, replica r sends x = Δ_r + β·e_r (β: outer.error_decay; pruned first
+        where the mean of pruned Δ_r is merged) and keeps e_r ← x − decode(encode(x)): what the
+        wire lost this round is sent with the next round's. `trained`, the share f_r of the
+        round each replica trained (partial rounds: aggregators/weights.py): the sum is
+        Σ f_r·Δ_r, the mean then divides by Σ f_r (a share of 1, or none given: Δ_r as it
+        is); each Δ_r is sent as it is, the merge weights it."""
         order = sorted(hosted)
         names = list(hosted[order[0]])
         if not self.route.sums:
@@ -66,7 +66,7 @@ class Payloads:
                     residuals = feedback[r]  # of every tensor; `hosted` may be one fragment
                     for name in sent[r]:
                         if name in residuals:
-                            sent[r][name] = sent[r][name] + residuals[name]
+                            sent[r][name] = sent[r][name] + self.decayed(residuals[name])
                 if self.merge.prune_where_hosted and r in good:
                     sent[r] = {name: self.pruned(delta, round_index, r, name)
                                for name, delta in sent[r].items()}
@@ -88,6 +88,11 @@ class Payloads:
                 total += delta if share == 1.0 else delta * share
             payload[name] = [total]
         return payload
+
+    def decayed(self, residual: torch.Tensor) -> torch.Tensor:
+        """β·e_r (outer.error_decay; β = 1: e_r itself, not a product)."""
+        decay = self.outer.error_decay
+        return residual if decay == 1.0 else decay * residual
 
     def pruned(self, delta: torch.Tensor, round_index: int, replica: int, name: str
                ) -> torch.Tensor:

@@ -76,6 +76,15 @@ def test_error_feedback_needs_a_lossy_dtype():
         load_config(["--outer.strategy=adamw_ddp", "--outer.comm_dtype=int8",
                      "--outer.error_feedback=true"])
     assert load_config(["--outer.comm_dtype=float8", "--outer.error_feedback=true"])
+    with pytest.raises(Exception, match=r"outer.error_decay \(0.9\) decays error feedback's "
+                       "residuals: set outer.error_feedback=true"):
+        load_config(["--outer.comm_dtype=int8", "--outer.error_decay=0.9"])
+    for bad in ("0", "1.5", "nan", "inf"):
+        with pytest.raises(Exception, match="error_decay"):
+            load_config(["--outer.comm_dtype=int8", "--outer.error_feedback=true",
+                         f"--outer.error_decay={bad}"])
+    assert load_config(["--outer.comm_dtype=int8", "--outer.error_feedback=true",
+                        "--outer.error_decay=0.95"]).outer.error_decay == 0.95
 
 
 @pytest.mark.parametrize("values", ["float32", "int8"])

@@ -137,7 +137,7 @@ def test_every_outer_strategy_and_wire_format_is_covered():
     or wire format is tested here or this fails."""
     merges = {resolved(variant).strategy for variant in VARIANTS}
     assert merges == {name for name, spec in STRATEGIES.items() if spec.has_outer_step}
-    carried = {kind for *_, kind in all_runs()} | {kind for _, _, kind, _ in QUANTIZED_RUNS}
+    carried = {kind for *_, kind in all_runs()} | {kind for _, _, kind, *_ in QUANTIZED_RUNS}
     assert carried == set(WIRE_FORMATS)
 
 
@@ -309,23 +309,28 @@ def test_placement_names_are_checked():
 
 TOPK = 0.25
 ROW_CODES = [name for name, spec in WIRE_FORMATS.items() if spec.per_replica]  # int8, float8
-QUANTIZED_RUNS = [(v, p, kind, None) for v in ("diloco", "isoloco", "tsv")
+DECAY = 0.9  # outer.error_decay below 1: SparseLoCo's decaying accumulator
+QUANTIZED_RUNS = [(v, p, kind, None, 1.0) for v in ("diloco", "isoloco", "tsv")
                   for p in ("sharded", "replicated") for kind in ROW_CODES] + [
-                  (v, p, kind, TOPK) for v in ("diloco", "tsv") for p in ("sharded", "replicated")
-                  for kind in ("float32", "int8")]
+                  (v, p, kind, TOPK, 1.0) for v in ("diloco", "tsv")
+                  for p in ("sharded", "replicated") for kind in ("float32", "int8")] + [
+                  (v, p, "int8", topk, DECAY) for v, topk in (("diloco", None), ("tsv", TOPK))
+                  for p in ("sharded", "replicated")]
 
 
-def run_with_feedback(rank: int, world: int, runs: list[tuple[str, str, str, float | None]]
-                      ) -> dict:
-    """Each (variant, placement, comm_dtype, topk) with outer.error_feedback for ROUNDS rounds
-    on this rank's replicas, the residuals held as the Trainer holds them (one dict each)."""
+def run_with_feedback(rank: int, world: int,
+                      runs: list[tuple[str, str, str, float | None, float]]) -> dict:
+    """Each (variant, placement, comm_dtype, topk, error_decay) with outer.error_feedback for
+    ROUNDS rounds on this rank's replicas, the residuals held as the Trainer holds them (one
+    dict each)."""
     hosted_ids = range(rank * REPLICAS // world, (rank + 1) * REPLICAS // world)
     results = {}
-    for variant, placement, comm_dtype, topk in runs:
+    for variant, placement, comm_dtype, topk, decay in runs:
         cfg = load_config((VARIANTS[variant] or [f"--outer.strategy={variant}"]) + [
             f"--scaling.replicas={REPLICAS}", "--scaling.replicas_per_worker=2",
             f"--outer.placement={placement}", f"--outer.comm_dtype={comm_dtype}",
-            "--outer.error_feedback=true"] + ([f"--outer.topk={topk}"] if topk else []))
+            "--outer.error_feedback=true", f"--outer.error_decay={decay}"]
+            + ([f"--outer.topk={topk}"] if topk else []))
         sync = OuterSync(cfg.outer, REPLICAS, seed=0)
         params = initial_params()
         feedback: dict[int, dict[str, torch.Tensor]] = {r: {} for r in hosted_ids}
@@ -335,19 +340,19 @@ def run_with_feedback(rank: int, world: int, runs: list[tuple[str, str, str, flo
             stats = sync.step(params, hosted, round_index, feedback=feedback)
             history.append({"params": {n: p.clone() for n, p in params.items()},
                             "bytes": stats.bytes_received, "dropped": stats.dropped})
-        results[variant, placement, comm_dtype, topk] = {
+        results[variant, placement, comm_dtype, topk, decay] = {
             "history": history, "owners": sync.plan({n: torch.Size(s)
                                                      for n, s in SHAPES.items()}).owners,
             "feedback": {r: {n: e.clone() for n, e in fb.items()} for r, fb in feedback.items()}}
     return results
 
 
-def reference_with_feedback(variant: str, comm_dtype: str, topk: float | None = None
-                            ) -> tuple[list, dict]:
-    """The semantics in plain steps, one process: replica r sends x = Δ_r + e_r, the merge
-    sees decode(encode(x)) (float32 otherwise), and e_r becomes x − decode(encode(x)); a
-    dropped replica keeps its e_r. With `topk`, decode(encode(x)) keeps each row's largest
-    entries (written here with torch.topk, not the codec)."""
+def reference_with_feedback(variant: str, comm_dtype: str, topk: float | None = None,
+                            decay: float = 1.0) -> tuple[list, dict]:
+    """The semantics in plain steps, one process: replica r sends x = Δ_r + β·e_r (β =
+    `decay`), the merge sees decode(encode(x)) (float32 otherwise), and e_r becomes
+    x − decode(encode(x)); a dropped replica keeps its e_r. With `topk`, decode(encode(x))
+    keeps each row's largest entries (written here with torch.topk, not the codec)."""
     codec = codec_for(comm_dtype)
 
     def sent_of(x: torch.Tensor) -> torch.Tensor:
@@ -371,7 +376,7 @@ def reference_with_feedback(variant: str, comm_dtype: str, topk: float | None = 
             if (round_index, r) == DIVERGED:
                 sent[r] = delta  # non-finite: left out, its residual kept
                 continue
-            x = {n: delta[n] + residual[r][n] for n in SHAPES}
+            x = {n: delta[n] + decay * residual[r][n] for n in SHAPES}
             sent[r] = {n: sent_of(x[n]) for n in SHAPES}
             residual[r] = {n: x[n] - sent[r][n] for n in SHAPES}
         sync.step(params, sent, round_index)
@@ -384,15 +389,18 @@ def quantized_four_ranks():
     return in_gloo_group(run_with_feedback, RANKS, QUANTIZED_RUNS)
 
 
-@pytest.mark.parametrize("variant, comm_dtype, topk", sorted({
-    (variant, comm_dtype, topk) for variant, _, comm_dtype, topk in QUANTIZED_RUNS},
+@pytest.mark.parametrize("variant, comm_dtype, topk, decay", sorted({
+    (variant, comm_dtype, topk, decay) for variant, _, comm_dtype, topk, decay in QUANTIZED_RUNS},
     key=str))
 def test_compressed_transport_merges_the_decoded_corrected_deltas(quantized_four_ranks, variant,
-                                                                  comm_dtype, topk):
-    want, want_residual = reference_with_feedback(variant, comm_dtype, topk)
+                                                                  comm_dtype, topk, decay):
+    want, want_residual = reference_with_feedback(variant, comm_dtype, topk, decay)
+    if decay != 1.0:  # not vacuous: undecayed residuals lead elsewhere
+        undecayed, _ = reference_with_feedback(variant, comm_dtype, topk)
+        assert any((undecayed[-1][n] - want[-1][n]).abs().max() > 1e-5 for n in SHAPES)
     start = initial_params()
     for placement in ("sharded", "replicated"):
-        ranks = [result[variant, placement, comm_dtype, topk]
+        ranks = [result[variant, placement, comm_dtype, topk, decay]
                  for result in quantized_four_ranks]
         for round_index in range(ROUNDS):
             assert ranks[0]["history"][round_index]["dropped"] == (
@@ -424,13 +432,13 @@ def test_quantized_transport_takes_a_byte_per_entry_and_a_scale_per_row(quantize
     hosted = REPLICAS // RANKS
     for variant in ("diloco", "tsv"):
         for rank, result in enumerate(quantized_four_ranks):
-            replicated = result[variant, "replicated", "int8", None]["history"][0]["bytes"]
+            replicated = result[variant, "replicated", "int8", None, 1.0]["history"][0]["bytes"]
             assert replicated == (RANKS - 1) * hosted * sum(wire.values())  # all-gather
-            run = result[variant, "sharded", "int8", None]
+            run = result[variant, "sharded", "int8", None, 1.0]
             owned = sum(wire[n] for n, owner in run["owners"].items() if owner == rank)
             assert run["history"][0]["bytes"] == (
                 (RANKS - 1) * hosted * owned + sum(wire.values()) - owned)
-            assert result[variant, "sharded", "float8", None]["history"][0]["bytes"] == \
+            assert result[variant, "sharded", "float8", None, 1.0]["history"][0]["bytes"] == \
                 run["history"][0]["bytes"]
 
 
@@ -446,7 +454,8 @@ def test_topk_sends_each_rows_largest_entries_and_their_indices(quantized_four_r
             k = math.ceil(TOPK * columns)
             sparse[name] = rows * (k * (value_bytes + 4) + row_bytes)  # values, int32 indices
         for result in quantized_four_ranks:
-            replicated = result["tsv", "replicated", comm_dtype, TOPK]["history"][0]["bytes"]
+            replicated = result["tsv", "replicated", comm_dtype, TOPK, 1.0]["history"][0][
+                "bytes"]
             assert replicated == (RANKS - 1) * (REPLICAS // RANKS) * sum(sparse.values())
 
 
