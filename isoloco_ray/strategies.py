@@ -133,7 +133,10 @@ class WireFormat:
 
     name: str
     lossless: bool  # what arrives is what was sent (error feedback has nothing to correct)
-    per_replica: bool  # row-wise codes with a scale per row: each replica's own, not summable
+    per_replica: bool  # codes with statistics of their own: each replica's, not summable
+    # SparseLoCo's chunk-wise top-k with 2- or 4-bit codes: needs outer.topk (the share of each
+    # chunk kept), and every worker gathers every payload (outer.placement=replicated).
+    chunked: bool = False
 
 
 WIRE_FORMATS: dict[str, WireFormat] = {spec.name: spec for spec in (
@@ -141,6 +144,8 @@ WIRE_FORMATS: dict[str, WireFormat] = {spec.name: spec for spec in (
     WireFormat("bfloat16", lossless=False, per_replica=False),
     WireFormat("int8", lossless=False, per_replica=True),
     WireFormat("float8", lossless=False, per_replica=True),
+    WireFormat("int2", lossless=False, per_replica=True, chunked=True),
+    WireFormat("int4", lossless=False, per_replica=True, chunked=True),
 )}
 
 

@@ -136,9 +136,9 @@ def test_an_unknown_merge_or_wire_format_is_refused_by_name():
     deltas = [torch.zeros(2, 2)] * 2
     with pytest.raises(ValueError, match="strategy"):
         aggregators.merge("tsv2", deltas)
-    with pytest.raises(ValueError, match=r"outer.comm_dtype 'int4': use one of float32, "
-                                         r"bfloat16, int8, float8"):
-        codec_for("int4")
+    with pytest.raises(ValueError, match=r"outer.comm_dtype 'int3': use one of float32, "
+                                         r"bfloat16, int8, float8, int2, int4"):
+        codec_for("int3")
 
 
 @pytest.mark.parametrize("flags, route", [

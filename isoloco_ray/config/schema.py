@@ -315,11 +315,14 @@ class OuterConfig(Section):
         "float32", description="how pseudo-gradients and updates travel to and from their "
         "owners: bfloat16 halves the bytes; int8 and float8 (e4m3) quarter them, one byte per "
         "entry plus a float32 scale per row (merges still run in float32 or float64 on the "
-        "decoded values; all-reduced sums stay float32)")
+        "decoded values; all-reduced sums stay float32); int2 and int4, with topk and "
+        "placement replicated: SparseLoCo's wire, the largest topk of each 64x64 chunk's "
+        "entries in 12-bit positions and 2- or 4-bit codes, gathered by every worker")
     topk: float | None = Field(
         None, gt=0, lt=1, description="send only this fraction of each row of a "
-        "pseudo-gradient, its largest entries (values in comm_dtype and int32 indices); "
-        "updates stay dense. Best with error_feedback")
+        "pseudo-gradient, its largest entries (values in comm_dtype and int32 indices; with "
+        "comm_dtype int2 or int4, of each 64x64 chunk); updates stay dense. Best with "
+        "error_feedback")
     error_feedback: bool = Field(
         False, description="each replica adds what the transport lost of its pseudo-gradient "
         "last round to this round's before sending it (needs a lossy comm_dtype or topk)")
@@ -358,6 +361,19 @@ class OuterConfig(Section):
         registry's WIRE_FORMATS) or outer.topk. Error feedback needs one; the quorum's outer
         step (scaling.fault_tolerance: replica) moves float32 and runs none yet."""
         return not WIRE_FORMATS[self.comm_dtype].lossless or self.topk is not None
+
+    @model_validator(mode="after")
+    def _check_chunked_wire(self) -> OuterConfig:
+        if not WIRE_FORMATS[self.comm_dtype].chunked:
+            return self
+        if self.topk is None:
+            raise ValueError(f"outer.comm_dtype={self.comm_dtype} sends the largest entries of "
+                             "each 64x64 chunk: set outer.topk, the share kept (SparseLoCo: "
+                             "0.01-0.03)")
+        if self.placement != "replicated":
+            raise ValueError(f"outer.comm_dtype={self.comm_dtype} is gathered and merged by "
+                             "every worker (SparseLoCo): set outer.placement=replicated")
+        return self
 
     @model_validator(mode="after")
     def _check_error_feedback(self) -> OuterConfig:

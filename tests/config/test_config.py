@@ -84,7 +84,7 @@ def test_token_budget_sets_rounds():
     (["--scaling.replicas_per_worker=1", "--scaling.workers_per_replica=3"],
      "data.batch_size (8) must split evenly over scaling.workers_per_replica (3)"),
     (["--outer.comm_dtype=float16"], "outer.comm_dtype: Input should be 'float32', "
-                                     "'bfloat16', 'int8' or 'float8'"),
+                                     "'bfloat16', 'int8', 'float8', 'int2' or 'int4'"),
     (["--outer.strategy=dare", "--outer.prune=magnitude"], "outer.prune must be 'random' for "
      "outer.strategy 'dare' (got 'magnitude'): DARE drops entries at random; for magnitude "
      "pruning use outer.strategy=ties"),

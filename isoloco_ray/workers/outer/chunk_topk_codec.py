@@ -1,6 +1,6 @@
 """SparseLoCo's wire (Sarfi et al., arXiv 2508.15706; issue 49, stage 1): each tensor as the
 largest entries of each chunk, their positions in the chunk in 12 bits and their values in 2
-(or 4) bits. Not wired into the outer sync yet: this is the format and its arithmetic.
+(or 4) bits: `outer.comm_dtype` int2 / int4 with `outer.topk` the density (codec.py).
 
 - **Chunks.** A matrix is cut into tiles of h x w, h the largest divisor of its rows that is at
   most 64 and w the same of its columns (64 x 64 = 4096 entries for the usual shapes); a vector
@@ -189,7 +189,10 @@ class ChunkTopKCodec:
         scale = RANGE_SIGMAS * sigma / self.bins
         if not (math.isfinite(float(scale)) and float(scale) > 0):
             scale = torch.ones((), device=flat.device)
-        codes = (centred / scale + self.bins // 2).round().clamp(0, self.bins - 1).long()
+        # A non-finite value (a diverged replica's Δ_r, which the merge leaves out) takes the
+        # middle code; its table is not finite, and neither is what it decodes to.
+        position = torch.nan_to_num(centred / scale + self.bins // 2, nan=self.bins // 2)
+        codes = position.round().clamp(0, self.bins - 1).long()
         sums = torch.zeros(self.bins, device=flat.device).index_add_(0, codes, centred)
         counts = torch.bincount(codes, minlength=self.bins).float()
         means = sums / counts.clamp(min=1)  # an empty bin's sum is 0

@@ -13,6 +13,10 @@
 - `outer.topk = f` (pseudo-gradients only; updates stay dense): each row keeps its
   ceil(f · columns) entries of largest magnitude, as values (in comm_dtype) and int32 column
   indices (`TopKCodec`); the rest arrive as zeros.
+- `int2`, `int4` (with `outer.topk = f`): SparseLoCo's wire (chunk_topk_codec.py): the
+  largest f of each 64 x 64 chunk's entries, 12-bit positions and 2- or 4-bit statistical
+  value codes, for payloads gathered by every worker (outer.placement=replicated: no update
+  travels).
 
 A codec is pure tensor math (no collectives): `roundtrip(x)` is exactly what the receiver
 decodes, which error feedback (payload.py) needs to know what was lost.
@@ -28,12 +32,16 @@ import torch
 
 from isoloco_ray.strategies import WIRE_FORMATS
 from isoloco_ray.workers.collectives import flatten, unflatten
+from isoloco_ray.workers.outer.chunk_topk_codec import ChunkTopKCodec
 
 # Each of strategies.WIRE_FORMATS, by kind: a cast to a torch dtype, or row-wise codes whose
 # largest value a row's max maps to (checked below: one implementation per format).
 CAST_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 QUANTIZED = {"int8": 127.0, "float8": 448.0}
-if ({name for name, spec in WIRE_FORMATS.items() if spec.per_replica} != set(QUANTIZED)
+CHUNKED_BITS = {"int2": 2, "int4": 4}
+if ({name for name, spec in WIRE_FORMATS.items() if spec.per_replica and not spec.chunked}
+        != set(QUANTIZED)
+        or {name for name, spec in WIRE_FORMATS.items() if spec.chunked} != set(CHUNKED_BITS)
         or {name for name, spec in WIRE_FORMATS.items() if not spec.per_replica}
         != set(CAST_DTYPES)):
     raise ImportError("workers/outer/codec.py implements other wire formats than "
@@ -186,14 +194,20 @@ class TopKCodec:
         return rows.gather(1, indices), indices.to(_INDEX)
 
 
-Codec = CastCodec | RowQuantCodec | TopKCodec
+Codec = CastCodec | RowQuantCodec | TopKCodec | ChunkTopKCodec
 
 
 def codec_for(comm_dtype: str, topk: float | None = None) -> Codec:
-    """The codec of an `outer.comm_dtype` (and `outer.topk`: sparse rows of it)."""
+    """The codec of an `outer.comm_dtype` (and `outer.topk`: sparse rows of it, or for int2
+    and int4 the share of each chunk kept)."""
     if comm_dtype not in WIRE_FORMATS:
         raise ValueError(f"outer.comm_dtype {comm_dtype!r}: use one of "
                          f"{', '.join(WIRE_FORMATS)}")
+    if WIRE_FORMATS[comm_dtype].chunked:
+        if topk is None:
+            raise ValueError(f"outer.comm_dtype={comm_dtype} sends the largest entries of each "
+                             "chunk: set outer.topk, the share kept (SparseLoCo: 0.01-0.03)")
+        return ChunkTopKCodec(topk, CHUNKED_BITS[comm_dtype])
     codec: CastCodec | RowQuantCodec = (RowQuantCodec(comm_dtype)
                                         if WIRE_FORMATS[comm_dtype].per_replica
                                         else CastCodec(CAST_DTYPES[comm_dtype]))

@@ -35,6 +35,7 @@ from isoloco_ray.workers.collectives import (
     group_rank,
     group_size,
 )
+from isoloco_ray.strategies import WIRE_FORMATS
 from isoloco_ray.workers.outer.codec import codec_for
 from isoloco_ray.workers.outer.plan import OuterPlan
 
@@ -51,7 +52,10 @@ class Transport:
         self.group = group
         self.ranks, self.rank = group_size(group), group_rank(group)
         self.codec = codec_for(comm_dtype, topk)  # payloads
-        self.update_codec = codec_for(comm_dtype)  # updates: dense whatever topk says
+        # Updates: dense whatever topk says; no update travels with a chunked wire (every
+        # worker merges: outer.placement=replicated), float32 names that.
+        self.update_codec = codec_for("float32" if WIRE_FORMATS[comm_dtype].chunked
+                                      else comm_dtype)
         self.traffic = TrafficCounter()
 
     def everything(self, payload: Payload, summed: bool) -> Contributions:

@@ -75,6 +75,18 @@ def test_values_take_the_mean_of_their_bin_around_the_shift(bits):
     assert torch.equal(codec.dequantize(codes, table), table[1:][codes] + table[0])
 
 
+def test_a_non_finite_tensor_encodes_and_decodes_as_not_finite():
+    # A diverged replica's Δ_r travels too (the merge leaves it out): no crash, no finite lie.
+    codec = ChunkTopKCodec(0.25, 2)
+    x = sample((8, 8))
+    x[2, 3] = float("nan")
+    x[5, 5] = float("inf")
+    wire = codec.encode([x], torch.device("cpu"))
+    got = codec.decode(wire, [x.shape])[0]
+    assert not torch.isfinite(got).all()
+    assert torch.equal(got.isnan(), codec.roundtrip(x).isnan())
+
+
 def test_kept_values_of_one_magnitude_come_back_exactly():
     # Kept values of one magnitude: sigma 0, one bin, its mean the shift: exact.
     codec = ChunkTopKCodec(1.0, 2)

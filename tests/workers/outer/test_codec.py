@@ -63,8 +63,34 @@ def test_cast_codecs_are_the_cast():
     assert codec_for("float32") == CastCodec(torch.float32)
     assert torch.equal(codec_for("float32").roundtrip(x), x)
     assert torch.equal(codec_for("bfloat16").roundtrip(x), x.bfloat16().float())
-    with pytest.raises(ValueError, match="use one of float32, bfloat16, int8, float8"):
-        codec_for("int4")
+    with pytest.raises(ValueError, match="use one of float32, bfloat16, int8, float8, int2, int4"):
+        codec_for("int3")
+
+
+def test_sparselocos_wire_needs_topk_and_every_worker_merging():
+    from isoloco_ray.config import load_config
+    from isoloco_ray.workers.outer.chunk_topk_codec import ChunkTopKCodec
+
+    assert codec_for("int2", 0.03) == ChunkTopKCodec(0.03, 2)
+    assert codec_for("int4", 0.01) == ChunkTopKCodec(0.01, 4)
+    with pytest.raises(ValueError, match="int2 sends the largest entries of each chunk: set "
+                                         "outer.topk"):
+        codec_for("int2")
+    with pytest.raises(Exception, match="outer.comm_dtype=int2 sends the largest entries of "
+                                        "each 64x64 chunk: set outer.topk"):
+        load_config(["--outer.comm_dtype=int2", "--outer.placement=replicated"])
+    with pytest.raises(Exception, match="outer.comm_dtype=int4 is gathered and merged by every "
+                                        "worker .SparseLoCo.: set outer.placement=replicated"):
+        load_config(["--outer.comm_dtype=int4", "--outer.topk=0.03"])
+    with pytest.raises(Exception, match="scaling.fault_tolerance: replica does not run a "
+                                        "compressed outer sync"):
+        load_config(["--outer.comm_dtype=int2", "--outer.topk=0.03",
+                     "--outer.placement=replicated", "--scaling.fault_tolerance=replica",
+                     "--scaling.replicas=3", "--scaling.replicas_per_worker=1"])
+    cfg = load_config(["--outer.strategy=diloco_sgd", "--outer.lr=1", "--outer.comm_dtype=int2",
+                       "--outer.topk=0.03", "--outer.placement=replicated",
+                       "--outer.error_feedback=true", "--outer.error_decay=0.95"])
+    assert cfg.outer.lossy_wire
 
 
 def test_error_feedback_needs_a_lossy_dtype():

@@ -308,14 +308,18 @@ def test_placement_names_are_checked():
 # -- 8-bit transport with error feedback ---------------------------------------------------------
 
 TOPK = 0.25
-ROW_CODES = [name for name, spec in WIRE_FORMATS.items() if spec.per_replica]  # int8, float8
+ROW_CODES = [name for name, spec in WIRE_FORMATS.items()
+             if spec.per_replica and not spec.chunked]  # int8, float8
 DECAY = 0.9  # outer.error_decay below 1: SparseLoCo's decaying accumulator
 QUANTIZED_RUNS = [(v, p, kind, None, 1.0) for v in ("diloco", "isoloco", "tsv")
                   for p in ("sharded", "replicated") for kind in ROW_CODES] + [
                   (v, p, kind, TOPK, 1.0) for v in ("diloco", "tsv")
                   for p in ("sharded", "replicated") for kind in ("float32", "int8")] + [
                   (v, p, "int8", topk, DECAY) for v, topk in (("diloco", None), ("tsv", TOPK))
-                  for p in ("sharded", "replicated")]
+                  for p in ("sharded", "replicated")] + [
+                  # SparseLoCo's wire: gathered by every worker, each chunk's largest entries.
+                  ("diloco", "replicated", "int2", TOPK, DECAY),
+                  ("tsv", "replicated", "int4", TOPK, 1.0)]
 
 
 def run_with_feedback(rank: int, world: int,
@@ -353,10 +357,10 @@ def reference_with_feedback(variant: str, comm_dtype: str, topk: float | None = 
     `decay`), the merge sees decode(encode(x)) (float32 otherwise), and e_r becomes
     x − decode(encode(x)); a dropped replica keeps its e_r. With `topk`, decode(encode(x))
     keeps each row's largest entries (written here with torch.topk, not the codec)."""
-    codec = codec_for(comm_dtype)
+    codec = codec_for(comm_dtype, topk if WIRE_FORMATS[comm_dtype].chunked else None)
 
     def sent_of(x: torch.Tensor) -> torch.Tensor:
-        if topk is None:
+        if topk is None or WIRE_FORMATS[comm_dtype].chunked:  # chunks: test_chunk_topk_codec
             return codec.roundtrip(x)
         rows = x.reshape(x.shape[0] if x.dim() > 1 else 1, -1)
         k = max(1, math.ceil(topk * rows.shape[1]))
@@ -400,6 +404,8 @@ def test_compressed_transport_merges_the_decoded_corrected_deltas(quantized_four
         assert any((undecayed[-1][n] - want[-1][n]).abs().max() > 1e-5 for n in SHAPES)
     start = initial_params()
     for placement in ("sharded", "replicated"):
+        if (variant, placement, comm_dtype, topk, decay) not in quantized_four_ranks[0]:
+            continue  # int2 and int4 are gathered by every worker: replicated only
         ranks = [result[variant, placement, comm_dtype, topk, decay]
                  for result in quantized_four_ranks]
         for round_index in range(ROUNDS):
@@ -457,6 +463,16 @@ def test_topk_sends_each_rows_largest_entries_and_their_indices(quantized_four_r
             replicated = result["tsv", "replicated", comm_dtype, TOPK, 1.0]["history"][0][
                 "bytes"]
             assert replicated == (RANKS - 1) * (REPLICAS // RANKS) * sum(sparse.values())
+
+
+def test_sparselocos_wire_gathers_every_replicas_packed_payload(quantized_four_ranks):
+    for comm_dtype, variant, decay in (("int2", "diloco", DECAY), ("int4", "tsv", 1.0)):
+        codec = codec_for(comm_dtype, TOPK)
+        payload = sum(codec.elements(torch.Size(s)) for s in SHAPES.values())
+        for result in quantized_four_ranks:
+            got = result[variant, "replicated", comm_dtype, TOPK, decay]["history"][0]["bytes"]
+            assert got == (RANKS - 1) * (REPLICAS // RANKS) * payload  # all-gather, as sent
+        assert payload < sum(torch.Size(s).numel() for s in SHAPES.values())  # < 1 byte each
 
 
 # -- a replica spread over G workers: each outer group steps 1/G of the tensors ----------------
