@@ -27,7 +27,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     a 1-D uint8 tensor on its device. ValueError for a code out of range."""
     _check_bits(bits)
     codes = codes.reshape(-1).to(torch.int32)
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
+    if bool(((codes < 0) | (codes >= 1 << bits)).any()):  # one host sync, not two
         raise ValueError(f"pack_bits: codes must lie in [0, {1 << bits}) for {bits} bits; got "
                          f"[{int(codes.min())}, {int(codes.max())}]")
     shifts = torch.arange(bits, dtype=torch.int32, device=codes.device)

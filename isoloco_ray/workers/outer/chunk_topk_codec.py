@@ -187,8 +187,10 @@ class ChunkTopKCodec:
         sigma = (centred.norm() / math.sqrt(flat.numel() - 1) if flat.numel() > 1
                  else torch.zeros((), device=flat.device))
         scale = RANGE_SIGMAS * sigma / self.bins
-        if not (math.isfinite(float(scale)) and float(scale) > 0):
-            scale = torch.ones((), device=flat.device)
+        # 1.0 where the spread is 0 or not finite, chosen on the device (no host sync per
+        # tensor on a GPU).
+        scale = torch.where(torch.isfinite(scale) & (scale > 0), scale,
+                            torch.ones((), device=flat.device))
         # A non-finite value (a diverged replica's Δ_r, which the merge leaves out) takes the
         # middle code; its table is not finite, and neither is what it decodes to.
         position = torch.nan_to_num(centred / scale + self.bins // 2, nan=self.bins // 2)
