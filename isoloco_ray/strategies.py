@@ -69,6 +69,9 @@ class StrategySpec:
     # value it may take, what to use instead for another)
     # option -> its value for R replicas, where the user sets none (the config fills it in).
     per_replica_defaults: Mapping[str, Callable[[int], Any]] = field(default_factory=dict)
+    # The outer sync's own settings (outer.comm_dtype, topk, placement, error_feedback,
+    # error_decay) this strategy takes where the user leaves them unset: its wire.
+    wire: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def has_outer_step(self) -> bool:
@@ -116,6 +119,13 @@ STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in (
                  options=_merge_options("dare"), momentum_is_optional=True,
                  fixed={"prune": ("random", "DARE drops entries at random; for magnitude "
                                             "pruning use outer.strategy=ties")}),
+    StrategySpec("sparseloco", "SparseLoCo: the mean of each replica's top-k 2-bit payload, "
+                 "error feedback decayed by β, no momentum", "mean",
+                 dict(inner_lr=1e-3, lr=1.0, momentum=0.0, nesterov=False),
+                 # Sarfi et al. 2025: 128 of each 4096-entry chunk, 2-bit codes, β = 0.95,
+                 # every worker gathers every payload.
+                 wire=dict(comm_dtype="int2", topk=128 / 4096, placement="replicated",
+                           error_feedback=True, error_decay=0.95)),
     StrategySpec("adamw_ddp", "baseline: AdamW on gradients averaged over all replicas every "
                  "step", None, dict(inner_lr=1.95e-3, lr=0.0, momentum=0.0, nesterov=False),
                  inner_weight_decay=0.15),

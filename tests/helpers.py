@@ -16,6 +16,18 @@ from isoloco_ray.data.format import DatasetMeta
 # 64 tokens in batches of 4; each test adds the layout and length it needs.
 TINY_RUN = ["--model.preset=tiny", "--data.seq_len=64", "--data.batch_size=4"]
 
+
+def learning_flags(strategy: str) -> list[str]:
+    """`--outer.strategy=strategy`, for a tiny run of a few rounds that must learn visibly.
+    A strategy whose own wire sends a top-k share (sparseloco: 3% of each chunk a round, the
+    rest later through its residual, after inner steps at its paper's lr of 1e-3) moves too
+    little in a few rounds for that: it gets a quarter of each chunk and inner lr 2e-3."""
+    from isoloco_ray.strategies import STRATEGIES
+
+    if "topk" not in STRATEGIES[strategy].wire:
+        return [f"--outer.strategy={strategy}"]
+    return [f"--outer.strategy={strategy}", "--outer.topk=0.25", "--inner.lr=2e-3"]
+
 # check_training_data's settings that the small dataset passes.
 DATA_OK = dict(model_vocab_size=None, seq_len=64, replicas=2, batch_size=4)
 

@@ -97,6 +97,30 @@ def test_every_registered_option_is_a_config_field_with_a_paper_value():
         assert option in fields and all(name in STRATEGIES for name in takers)
 
 
+def test_sparseloco_takes_the_papers_wire_where_the_run_leaves_it_unset():
+    """Its wire (int2, top 128 of 4096, gathered by every worker, error feedback decayed by
+    0.95) fills only what the run leaves unset, before the wire's own checks run."""
+    paper = load_config(["--outer.strategy=sparseloco"]).outer
+    assert (paper.comm_dtype, paper.topk, paper.placement, paper.error_feedback,
+            paper.error_decay, paper.lr, paper.momentum) == (
+        "int2", 128 / 4096, "replicated", True, 0.95, 1.0, 0.0)
+    assert Route.choose(paper, OuterMerge.of(paper)) == Route(sums=False, everyone_merges=True)
+    own = load_config(["--outer.strategy=sparseloco", "--outer.topk=0.01",
+                       "--outer.comm_dtype=int4", "--outer.error_decay=0.9"]).outer
+    assert (own.topk, own.comm_dtype, own.error_decay) == (0.01, "int4", 0.9)
+    # Without error feedback there is no residual to decay: β goes back to 1, not an error.
+    plain = load_config(["--outer.strategy=sparseloco", "--outer.error_feedback=false"]).outer
+    assert (plain.error_feedback, plain.error_decay) == (False, 1.0)
+    # A resolved config loads again as it is.
+    again = OuterConfig.model_validate(paper.model_dump())
+    assert again == paper
+    with pytest.raises(Exception, match="set outer.placement=replicated"):
+        load_config(["--outer.strategy=sparseloco", "--outer.placement=sharded"])
+    with pytest.raises(Exception, match="set --scaling.fault_tolerance=restart"):
+        load_config(["--outer.strategy=sparseloco", "--scaling.fault_tolerance=replica",
+                     "--scaling.replicas=4", "--scaling.replicas_per_worker=1"])
+
+
 def test_every_merge_runs_with_its_defaults():
     matrices = [torch.randn(4, 3, generator=torch.Generator().manual_seed(r)) for r in range(3)]
     for name, spec in MERGES.items():

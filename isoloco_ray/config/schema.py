@@ -289,9 +289,7 @@ class InnerConfig(Section):
 class OuterConfig(Section):
     """The outer step: which merge, and its optimizer (docs/strategies.md)."""
 
-    strategy: Strategy = Field(
-        "diloco", description="diloco, diloco_sgd, isoc, isoloco, isocts, tsv, ties, dare, "
-        "adamw_ddp")
+    strategy: Strategy = Field("diloco", description=", ".join(STRATEGIES))
     lr: float | None = Field(None, ge=0, description="outer lr η (default: the strategy's)")
     momentum: float | None = Field(None, ge=0, lt=1, description="outer momentum μ "
                                    "(default: the strategy's)")
@@ -361,6 +359,17 @@ class OuterConfig(Section):
         registry's WIRE_FORMATS) or outer.topk. Error feedback needs one; the quorum's outer
         step (scaling.fault_tolerance: replica) moves float32 and runs none yet."""
         return not WIRE_FORMATS[self.comm_dtype].lossless or self.topk is not None
+
+    @model_validator(mode="after")
+    def _take_the_strategys_wire(self) -> OuterConfig:
+        # First of the checks: they check the wire the run will use (sparseloco's int2 top-k).
+        wire = STRATEGIES[self.strategy].wire
+        unset = set(wire) - self.model_fields_set
+        for option in unset:
+            setattr(self, option, wire[option])
+        if not self.error_feedback and "error_decay" in unset:
+            self.error_decay = 1.0  # the strategy's β decays a residual this run keeps none of
+        return self
 
     @model_validator(mode="after")
     def _check_chunked_wire(self) -> OuterConfig:

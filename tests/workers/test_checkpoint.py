@@ -34,8 +34,10 @@ COMPRESSED = ["--outer.comm_dtype=int8", "--outer.error_feedback=true"]
     ["--outer.strategy=tsv", *COMPRESSED],
     ["--outer.strategy=dare", "--outer.comm_dtype=float8", "--outer.error_feedback=true"],
     ["--outer.strategy=diloco", "--outer.topk=0.1", "--outer.error_feedback=true"],
+    # SparseLoCo: each replica's decayed accumulator under 2-bit chunk top-k codes.
+    ["--outer.strategy=sparseloco"],
 ], ids=["diloco", "dare", "tsv", "adamw_ddp", "tsv-int8-feedback", "dare-float8-feedback",
-        "diloco-topk-feedback"])
+        "diloco-topk-feedback", "sparseloco"])
 def test_interrupted_and_resumed_run_is_bit_identical(small_dataset, tmp_path, flags):
     cfg = load_config(RUN + flags)
     whole, whole_params = run_local(cfg, small_dataset)

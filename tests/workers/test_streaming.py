@@ -13,7 +13,7 @@ import torch
 from pydantic import ValidationError
 from transformers import LlamaForCausalLM
 
-from helpers import TINY_RUN
+from helpers import TINY_RUN, learning_flags
 from isoloco_ray.config import load_config
 from isoloco_ray.strategies import STRATEGIES, OuterMerge
 from isoloco_ray.workers import plain_loop
@@ -316,7 +316,7 @@ def test_progress_line_shows_how_long_training_waited_for_the_syncs():
 @pytest.mark.parametrize("strategy", OUTER_STEP_STRATEGIES)
 def test_every_strategy_trains_with_fragments_delay_and_mix(small_dataset, strategy):
     cfg = load_config(STREAMING + ["--scaling.replicas=4", "--scaling.replicas_per_worker=4",
-                                   f"--outer.strategy={strategy}"])
+                                   *learning_flags(strategy)])
     summary, params = run_local(cfg, small_dataset)
     assert all(torch.isfinite(p).all() for p in params.values())
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3

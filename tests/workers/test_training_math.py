@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import TINY_RUN
+from helpers import TINY_RUN, learning_flags
 from isoloco_ray.config import load_config
 from isoloco_ray.strategies import STRATEGIES
 from isoloco_ray.workers.local import run_local
@@ -74,7 +74,7 @@ def test_layout_does_not_change_the_math(small_dataset, strategy):
 def test_every_strategy_trains_without_nan(small_dataset, strategy):
     name, *options = strategy.split()
     cfg = load_config(TINY + ["--scaling.replicas=4", "--scaling.replicas_per_worker=4",
-                              f"--outer.strategy={name}", *options])
+                              *learning_flags(name), *options])
     summary, params = run_local(cfg, small_dataset)
     assert all(torch.isfinite(p).all() for p in params.values())
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3

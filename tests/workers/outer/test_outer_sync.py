@@ -28,6 +28,9 @@ VARIANTS = {
     "ties_random_rows": ["--outer.strategy=ties", "--outer.prune=random",
                          "--outer.prune_dim=row"],
     "dare": [], "dare_disjoint": ["--outer.strategy=dare", "--outer.disjoint=true"],
+    # Its outer step on a lossless wire (the mean at lr 1); its own wire: QUANTIZED_RUNS.
+    "sparseloco": ["--outer.strategy=sparseloco", "--outer.topk=null",
+                   "--outer.error_feedback=false"],
 }
 # bfloat16 transport where it casts something: a mean merge sends sums to owners (sharded);
 # with replicated it would all-reduce float32 sums (refused: config/train_config.py), a per-replica
@@ -319,6 +322,7 @@ QUANTIZED_RUNS = [(v, p, kind, None, 1.0) for v in ("diloco", "isoloco", "tsv")
                   for p in ("sharded", "replicated")] + [
                   # SparseLoCo's wire: gathered by every worker, each chunk's largest entries.
                   ("diloco", "replicated", "int2", TOPK, DECAY),
+                  ("sparseloco", "replicated", "int2", TOPK, DECAY),
                   ("tsv", "replicated", "int4", TOPK, 1.0)]
 
 
