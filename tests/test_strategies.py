@@ -116,9 +116,9 @@ def test_sparseloco_takes_the_papers_wire_where_the_run_leaves_it_unset():
     assert again == paper
     with pytest.raises(Exception, match="set outer.placement=replicated"):
         load_config(["--outer.strategy=sparseloco", "--outer.placement=sharded"])
-    with pytest.raises(Exception, match="set --scaling.fault_tolerance=restart"):
-        load_config(["--outer.strategy=sparseloco", "--scaling.fault_tolerance=replica",
-                     "--scaling.replicas=4", "--scaling.replicas_per_worker=1"])
+    quorum = load_config(["--outer.strategy=sparseloco", "--scaling.fault_tolerance=replica",
+                          "--scaling.replicas=4", "--scaling.replicas_per_worker=1"]).outer
+    assert quorum == paper
 
 
 def test_every_merge_runs_with_its_defaults():

@@ -356,8 +356,7 @@ class OuterConfig(Section):
     @property
     def lossy_wire(self) -> bool:
         """Whether the outer sync's wire loses anything: a lossy outer.comm_dtype (the
-        registry's WIRE_FORMATS) or outer.topk. Error feedback needs one; the quorum's outer
-        step (scaling.fault_tolerance: replica) moves float32 and runs none yet."""
+        registry's WIRE_FORMATS) or outer.topk. Error feedback needs one."""
         return not WIRE_FORMATS[self.comm_dtype].lossless or self.topk is not None
 
     @model_validator(mode="after")

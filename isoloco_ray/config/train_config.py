@@ -130,7 +130,7 @@ class TrainConfig(Section):
 
     def _check_fault_tolerance(self) -> None:
         """What `scaling.fault_tolerance: replica` runs so far: every DiLoCo strategy's outer
-        step over a quorum in float32, without streaming, on CPUs."""
+        step over a quorum, on every wire, without streaming, on CPUs."""
         if self.scaling.fault_tolerance != "replica":
             return
         if self.run.max_failures == 0:
@@ -144,9 +144,6 @@ class TrainConfig(Section):
                              "gone); remove it")
         if not outer.has_outer_step:
             unsupported.append("outer.strategy adamw_ddp (it all-reduces every inner step)")
-        else:
-            if outer.lossy_wire:
-                unsupported.append("a compressed outer sync (outer.comm_dtype, outer.topk)")
         if outer.streaming:
             unsupported.append("outer.fragments, outer.delay or outer.mix")
         if self.scaling.use_gpu:
@@ -154,7 +151,7 @@ class TrainConfig(Section):
         if unsupported:
             raise ValueError(
                 f"scaling.fault_tolerance: replica does not run {'; '.join(unsupported)} yet "
-                "(it runs every outer strategy but adamw_ddp, in float32, on CPUs: "
+                "(it runs every outer strategy but adamw_ddp, on every wire, on CPUs: "
                 "docs/fault_tolerance.md); set --scaling.fault_tolerance=restart")
 
     def _check_streaming(self) -> None:

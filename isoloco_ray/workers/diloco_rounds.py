@@ -184,7 +184,7 @@ class DiLoCoRounds:
             stats, committed = parts.outer.quorum_step(
                 target, deltas, sync_round, parts.env.seat, diverged, self._mean_losses(losses),
                 trained={r: taken / parts.cfg.inner.steps for r, taken in steps.items()},
-                step_seconds=inner_seconds / max(1, sum(steps.values())))
+                step_seconds=inner_seconds / max(1, sum(steps.values())), feedback=feedback)
             stats.wait_seconds = time.perf_counter() - started
             self.committed = committed
             if self.deadline is not None:

@@ -76,7 +76,9 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
     order, over the number of replicas in them (each Δ_r pruned first where the merge is the
     mean of pruned Δ_r: dare, ties without disjoint), merged and applied by the outer
     optimizer. A merge of every Δ_r (tsv, isocts, ties) is OuterSync's step over the
-    replicas present, in replica order, keyed by round j (random masks). A worker absent from
+    replicas present, in replica order, keyed by round j (random masks); on a lossy wire
+    (outer.comm_dtype, outer.topk) what crosses is what the codec keeps of each, with each
+    replica's error-feedback residual, and a sum crosses as its cast. A worker absent from
     round j has its replicas start round j+1 from θ with fresh AdamW moments, their LR
     schedule and stream where (j+1)·H steps leave them (Replica.rejoin). No streaming
     settings. `replica_steps[j][r]` (metrics' `replica_steps`; default H): the inner steps
@@ -88,6 +90,9 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
     theta = {n: p.detach().clone() for n, p in replicas[0][0].named_parameters()}
     resolved = OuterMerge.of(cfg.outer)
     every_delta = OuterSync(cfg.outer.quorum_outer(), len(replicas), cfg.run.seed)
+    wire = every_delta.transport.codec  # what a worker's sum crosses as (a cast)
+    feedback: dict[int, dict[str, torch.Tensor]] | None = (
+        {r: {} for r in range(len(replicas))} if cfg.outer.error_feedback else None)
     optimizer = outer_optimizer(cfg.outer)
     steps = cfg.inner.steps
     for round_index, present in enumerate(contributors):
@@ -110,9 +115,9 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
                                        for n, d in delta.items()}
                                    for r, delta in mine_deltas.items()}
                 # Σ_r f_r·Δ_r from zero in replica order, as Payloads.make (f_r = 1: Δ_r)
-                sums.append({n: sum((mine_deltas[r][n] if shares[r] == 1.0
-                                     else mine_deltas[r][n] * shares[r] for r in mine),
-                                    torch.zeros_like(t))
+                sums.append({n: wire.roundtrip(sum((mine_deltas[r][n] if shares[r] == 1.0
+                                                    else mine_deltas[r][n] * shares[r]
+                                                    for r in mine), torch.zeros_like(t)))
                              for n, t in theta.items()})
         with torch.no_grad():
             if not every_delta.route.sums:  # the absent replicas' Δ_r left out as diverged
@@ -120,7 +125,8 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
                 every_delta.step(theta, {r: deltas.get(r) or {n: torch.zeros_like(t)
                                                               for n, t in theta.items()}
                                          for r in range(len(replicas))},
-                                 round_index, diverged=absent, trained=shares)
+                                 round_index, diverged=absent, feedback=feedback,
+                                 trained=shares)
             else:
                 divisor = sum(shares[r] for worker in present
                               for r in range(worker * hosted, worker * hosted + hosted))
@@ -139,6 +145,8 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
                 for n, p in model.named_parameters():
                     p.copy_(theta[n])
                 if r // hosted not in present:  # rejoins: Replica.rejoin, written out
+                    if feedback is not None:
+                        feedback[r] = {}
                     adamw.state.clear()
                     schedule_at(adamw, schedule, done)
                     stream.seek(stream.position_after(done))

@@ -41,16 +41,18 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import torch
+
 from isoloco_ray import own_files, run_files, storage, strict_json
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import Dataset
 from isoloco_ray.fault_tolerance import min_quorum
-from isoloco_ray.strategies import OuterMerge, Route
 from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.agreement import TrainingStopped
 from isoloco_ray.workers.export import export_into_summary
 from isoloco_ray.workers.loop import Trainer
-from isoloco_ray.workers.model import parameters_of
+from isoloco_ray.workers.model import parameter_shapes
+from isoloco_ray.workers.outer.step import quorum_numel
 from isoloco_ray.workers.quorum import QuorumSeat
 from isoloco_ray.workers.round_metrics import Metrics
 from isoloco_ray.workers.worker_env import WorkerEnv
@@ -68,9 +70,9 @@ def seated_trainer(cfg: TrainConfig, data: Path | Dataset, env: WorkerEnv, light
     timeouts are the run's (fault_tolerance.timeouts)."""
     holder: dict[str, Trainer] = {}
     dataset = Dataset.open(data)
-    numel = parameters_of(cfg.model, dataset.meta.vocab_size)
-    if not Route.choose(cfg.outer.quorum_outer(), OuterMerge.of(cfg.outer)).sums:
-        numel *= cfg.scaling.replicas_per_worker  # each hosted Δ_r, not their sum
+    shapes = parameter_shapes(cfg.model, dataset.meta.vocab_size).values()
+    numel = quorum_numel(cfg.outer.quorum_outer(), [torch.Size(shape) for shape in shapes],
+                         cfg.scaling.replicas_per_worker)
     seat = QuorumSeat(env.rank, cfg.scaling.num_workers, cfg.scaling.replicas, numel,
                       lighthouse,
                       lambda: holder["trainer"].quorum_state(),

@@ -140,18 +140,15 @@ def test_token_budget_sets_rounds():
     (["--scaling.fault_tolerance=replica", "--outer.placement=rank0"],
      "outer.placement=rank0 has no effect with scaling.fault_tolerance: replica (every worker "
      "merges the quorum's sum: rank 0 may be gone); remove it"),
-    (["--scaling.fault_tolerance=replica", "--outer.placement=sharded",
-      "--outer.comm_dtype=int8"], "scaling.fault_tolerance: replica does not run a compressed "
-     "outer sync (outer.comm_dtype, outer.topk) yet (it runs every outer strategy but "
-     "adamw_ddp, in float32, on CPUs: docs/fault_tolerance.md); set "
-     "--scaling.fault_tolerance=restart"),
     (["--scaling.fault_tolerance=replica", "--inner.steps=4", "--outer.delay=1"],
      "replica does not run outer.fragments, outer.delay or outer.mix yet"),
     (["--scaling.fault_tolerance=replica", "--outer.strategy=adamw_ddp",
       "--outer.placement=sharded"], "replica does not run outer.strategy adamw_ddp (it "
      "all-reduces every inner step) yet"),
     (["--scaling.fault_tolerance=replica", "--scaling.use_gpu=true"],
-     "replica does not run scaling.use_gpu yet"),
+     "scaling.fault_tolerance: replica does not run scaling.use_gpu yet (it runs every outer "
+     "strategy but adamw_ddp, on every wire, on CPUs: docs/fault_tolerance.md); set "
+     "--scaling.fault_tolerance=restart"),
     # Non-finite settings would train a NaN model.
     (["--inner.lr=inf"], "inner.lr: must be a finite number (got 'inf')"),
     (["--outer.lr=inf"], "outer.lr: must be a finite number (got 'inf')"),

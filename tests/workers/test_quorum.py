@@ -24,7 +24,7 @@ from isoloco_ray import aggregators  # noqa: E402
 from isoloco_ray.config import load_config  # noqa: E402
 from isoloco_ray.fault_tolerance import min_quorum  # noqa: E402
 from isoloco_ray.strategies import OuterMerge  # noqa: E402
-from isoloco_ray.workers.outer.step import OuterSync  # noqa: E402
+from isoloco_ray.workers.outer.step import OuterSync, quorum_numel  # noqa: E402
 from isoloco_ray.workers.quorum import (CommittedSync, Contribution, QuorumSeat,  # noqa: E402
                                         WorkersDiffer)
 
@@ -243,9 +243,11 @@ class Peer:
     def __init__(self, rank: int, outer, lighthouse: str) -> None:
         self.rank, self.theta = rank, seeded(0)
         self.outer = OuterSync(outer, REPLICAS, seed=0)
-        numel = sum(torch.Size(shape).numel() for shape in SHAPES.values())
-        copies = 1 if self.outer.route.sums else HOSTED
-        self.seat = QuorumSeat(rank, 3, REPLICAS, numel * copies, lighthouse, self.state_dict,
+        # outer.error_feedback: each hosted replica's residual, as Replica.feedback holds it.
+        self.feedback = ({r: {} for r in range(HOSTED * rank, HOSTED * rank + HOSTED)}
+                         if outer.error_feedback else None)
+        numel = quorum_numel(outer, [torch.Size(shape) for shape in SHAPES.values()], HOSTED)
+        self.seat = QuorumSeat(rank, 3, REPLICAS, numel, lighthouse, self.state_dict,
                                self.load_state_dict, min_workers=2,
                                timeout=timedelta(seconds=10),
                                quorum_timeout=timedelta(seconds=60))
@@ -259,7 +261,8 @@ class Peer:
     def step(self, round_index: int, diverged: set[int],
              shares: dict[int, float] | None = None) -> CommittedSync:
         _, committed = self.outer.quorum_step(self.theta, hosted_deltas(round_index, self.rank),
-                                              round_index, self.seat, diverged, trained=shares)
+                                              round_index, self.seat, diverged, trained=shares,
+                                              feedback=self.feedback)
         return committed
 
 
@@ -268,15 +271,19 @@ def hosted_deltas(round_index: int, rank: int) -> dict[int, dict[str, torch.Tens
             for r in range(HOSTED * rank, HOSTED * rank + HOSTED)}
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "isoc"])  # an elementwise and a spectral merge
+# An elementwise and a spectral merge; and sums sent in bfloat16 (the quorum gathers them).
+@pytest.mark.parametrize("strategy, wire", [("diloco", "float32"), ("isoc", "float32"),
+                                            ("diloco", "bfloat16")])
 def test_the_outer_step_over_a_quorum_is_the_plain_step_over_its_contributors(lighthouse,
-                                                                            strategy):
+                                                                            strategy, wire):
     """OuterSync.quorum_step on 3 workers (2 replicas each), one replica diverged in round 1
     and a worker gone in round 2: every survivor's θ is the plain outer step's, bit for bit,
-    over the sums of the replicas that took part (each worker's in replica order, then the
-    workers' in rank order)."""
+    over the sums of the replicas that took part (each worker's in replica order, rounded to
+    the wire's dtype, then the workers' in rank order)."""
     outer = load_config([f"--outer.strategy={strategy}", "--outer.lr=0.7",
-                         "--outer.placement=replicated", "--scaling.replicas=6"]).outer
+                         f"--outer.comm_dtype={wire}",
+                         "--scaling.replicas=6"]).outer.quorum_outer()
+    assert OuterSync(outer, REPLICAS, seed=0).route.sums
     # The plain outer step, written out.
     theta, optimizer = seeded(0), aggregators.OuterOptimizer(
         lr=outer.lr, momentum=outer.momentum, nesterov=outer.nesterov)
@@ -291,7 +298,7 @@ def test_the_outer_step_over_a_quorum_is_the_plain_step_over_its_contributors(li
                 for r in range(HOSTED * worker, HOSTED * worker + HOSTED):
                     if r in good:
                         total += seeded(100 * round_index + r)[name]
-                sums.append(total)
+                sums.append(total.to(getattr(torch, wire)).float())
             total = sums[0].clone()
             for part in sums[1:]:
                 total += part
@@ -305,7 +312,8 @@ def test_the_outer_step_over_a_quorum_is_the_plain_step_over_its_contributors(li
 
 
 def lose_a_worker_after_round_1(outer, lighthouse: str, theta: dict[str, torch.Tensor],
-                                reference: Callable[[int, list[int], list[int]], None]) -> None:
+                                reference: Callable[[int, list[int], list[int]], None]
+                                ) -> list[Peer]:
     """3 Peers: round 1 with replica 3 diverged, then worker 2 leaves and round 2 runs on the
     other two. `reference(round, contributing workers, good replicas)` takes the expected step
     on `theta`, which both survivors must then hold bit for bit."""
@@ -324,6 +332,7 @@ def lose_a_worker_after_round_1(outer, lighthouse: str, theta: dict[str, torch.T
     finally:
         for peer in peers:
             peer.seat.shutdown()
+    return peers
 
 
 @pytest.mark.parametrize("args", [["--outer.strategy=tsv"], ["--outer.strategy=isocts"],
@@ -424,11 +433,46 @@ def test_a_slow_worker_stops_at_the_deadline_and_its_partial_rounds_count(lighth
             assert torch.equal(trainer.global_params[name], value), (trainer.env.rank, name)
 
 
+@pytest.mark.parametrize("args", [
+    ["--outer.strategy=sparseloco"],
+    ["--outer.strategy=tsv", "--outer.comm_dtype=int8", "--outer.error_feedback=true"],
+    ["--outer.strategy=diloco", "--outer.topk=0.25", "--outer.error_feedback=true",
+     "--outer.error_decay=0.9"],
+    ["--outer.strategy=isoc", "--outer.comm_dtype=float8"],
+    ["--outer.strategy=ties", "--outer.prune=random", "--outer.comm_dtype=int4",
+     "--outer.topk=0.25", "--outer.placement=replicated"],
+], ids=["sparseloco", "tsv-int8-feedback", "diloco-topk-decay", "isoc-float8", "ties-int4"])
+def test_a_compressed_wire_over_a_quorum_is_the_one_process_step_on_it(lighthouse, args):
+    """Each worker's payload crosses as the codec's bytes (with its replicas' residuals where
+    error feedback is on): 3 workers, replica 3 diverged in round 1, worker 2 gone in round 2.
+    Every survivor's θ, and its replicas' residuals, are the one-process outer step's on the
+    same wire (OuterSync.step with every replica's residual) with the missing replicas left
+    out as diverged, bit for bit; and at a layer's size a worker's payload is fewer words
+    than its float32 values."""
+    outer = load_config([*args, "--outer.lr=0.7", "--scaling.replicas=6"]).outer.quorum_outer()
+    assert outer.lossy_wire
+    reference, theta = OuterSync(outer, REPLICAS, seed=0), seeded(0)
+    residuals = {r: {} for r in range(REPLICAS)} if outer.error_feedback else None
+
+    def one_process_step(round_index: int, workers: list[int], good: list[int]) -> None:
+        reference.step(theta, {r: seeded(100 * round_index + r) for r in range(REPLICAS)},
+                       round_index, diverged=set(range(REPLICAS)) - set(good),
+                       feedback=residuals)
+
+    peers = lose_a_worker_after_round_1(outer, lighthouse, theta, one_process_step)
+    for peer in peers[:2]:
+        if residuals is not None:
+            for r, residual in (peer.feedback or {}).items():
+                assert residual.keys() == residuals[r].keys() == set(SHAPES)
+                for name in SHAPES:
+                    assert torch.equal(residual[name], residuals[r][name]), (r, name)
+    # At a layer's size (not these few entries, where codes' statistics weigh most).
+    shapes = [torch.Size((256, 256)), torch.Size((256,))]
+    dense = HOSTED * sum(shape.numel() for shape in shapes)
+    assert quorum_numel(outer, shapes, HOSTED) < dense
+
+
 def test_the_quorum_step_refuses_a_route_it_cannot_run():
-    outer = load_config(["--outer.strategy=tsv", "--outer.comm_dtype=int8",
-                         "--outer.placement=replicated", "--scaling.replicas=6"]).outer
-    with pytest.raises(ValueError, match="the quorum's outer step moves float32"):
-        OuterSync(outer, REPLICAS, seed=0).quorum_step(seeded(0), {0: seeded(1)}, 1, None)
     outer = load_config(["--outer.strategy=isoc", "--scaling.replicas=6"]).outer
     with pytest.raises(ValueError, match="needs outer.placement=replicated"):
         OuterSync(outer, REPLICAS, seed=0).quorum_step(seeded(0), {0: seeded(1)}, 1, None)
@@ -520,17 +564,22 @@ def replaced(lost, died: threading.Event, build: Callable[[], Any],
     return lost_worker, replace, replacement
 
 
+# float32 sums; and SparseLoCo's wire (each replica's 2-bit payload and residual; a quarter of
+# each chunk, as a few rounds of a tiny model need to move).
+@pytest.mark.parametrize("wire", [[], ["--outer.strategy=sparseloco", "--outer.topk=0.25"]],
+                         ids=["float32", "sparseloco"])
 def test_a_lost_trainer_is_replaced_and_the_run_goes_on_as_the_plain_loop_over_its_quorums(
-        lighthouse, small_dataset):
+        lighthouse, small_dataset, wire):
     """Worker 1 of 3 dies mid-round 2 (after one of its replicas' inner steps): the others'
     sync goes on without it, a fresh Trainer for rank 1 joins a later sync, is healed there
-    (θ, outer momentum, counters) and its replicas rejoin. Every worker, the replacement too,
-    ends with the θ of plain_loop.run_over_quorums over the quorums that happened (worker 0's
-    round metrics; which round the replacement joins depends on timing), bit for bit."""
+    (θ, outer momentum, counters) and its replicas rejoin (with SparseLoCo's wire: from zero
+    residuals). Every worker, the replacement too, ends with the θ of
+    plain_loop.run_over_quorums over the quorums that happened (worker 0's round metrics;
+    which round the replacement joins depends on timing), bit for bit."""
     from isoloco_ray.workers import plain_loop
     from isoloco_ray.workers.loop import Trainer
 
-    cfg = trainer_config(rounds=4)
+    cfg = trainer_config(4, *wire)
     died = threading.Event()
 
     reports: list[dict] = []

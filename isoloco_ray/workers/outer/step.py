@@ -29,6 +29,7 @@ from isoloco_ray import aggregators
 from isoloco_ray.config import OuterConfig, settled
 from isoloco_ray.strategies import OuterMerge, Route
 from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
+from isoloco_ray.workers.outer.codec import codec_for
 from isoloco_ray.workers.outer.payload import Payloads
 from isoloco_ray.workers.outer.plan import OuterPlan, position_shares
 from isoloco_ray.workers.outer.transport import Contributions, Transport
@@ -81,6 +82,21 @@ def outer_optimizer(outer: OuterConfig, orthogonalize_update: bool = False
         lr=settled(outer.lr, "outer.lr"), momentum=settled(outer.momentum, "outer.momentum"),
         nesterov=settled(outer.nesterov, "outer.nesterov"),
         orthogonalize_update=orthogonalize_update)
+
+
+def quorum_numel(outer: OuterConfig, shapes: Sequence[torch.Size], hosted_per_worker: int
+                 ) -> int:
+    """The length of one worker's payload to the quorum (QuorumSeat's `numel`) with the outer
+    settings `outer` (as the quorum runs them: OuterConfig.quorum_outer) and a model of
+    parameters of `shapes`: float32 elements of its sum or of each of its `hosted_per_worker`
+    replicas' Δ_r, or on a lossy wire the codec's bytes of them in whole float32 words
+    (OuterSync._to_quorum_wire)."""
+    copies = 1 if Route.choose(outer, OuterMerge.of(outer)).sums else hosted_per_worker
+    if not outer.lossy_wire:
+        return copies * sum(shape.numel() for shape in shapes)
+    codec = codec_for(outer.comm_dtype, outer.topk)
+    elements = copies * sum(codec.elements(shape) for shape in shapes)
+    return -(-elements * codec.wire_dtype.itemsize // 4)
 
 
 class OuterSync:
@@ -225,7 +241,9 @@ class OuterSync:
                     seat: QuorumSeat, diverged: Collection[int] = (),
                     losses: Mapping[int, float] | None = None, waiting: bool = False,
                     joining: bool = False, trained: Mapping[int, float] | None = None,
-                    step_seconds: float = 0.0) -> tuple[OuterStepStats, CommittedSync]:
+                    step_seconds: float = 0.0,
+                    feedback: Mapping[int, dict[str, torch.Tensor]] | None = None
+                    ) -> tuple[OuterStepStats, CommittedSync]:
         """The outer step over the workers alive this round (scaling.fault_tolerance:
         replica). This worker's payload goes to the round's quorum (quorum.py): the sum of its
         good hosted Δ_r when the merge needs only their mean, else each hosted Δ_r (pruned
@@ -241,15 +259,14 @@ class OuterSync:
         `global_params` and
         the outer state may be replaced by a peer's inside the sync (this worker was behind: it
         brings no Δ), and the merge is keyed by the sync's round (CommittedSync.round), which
-        is `round_index` only on a worker that was not behind. Needs a route on which every
-        worker merges and a float32 wire without error feedback (the quorum moves float32):
-        ValueError otherwise."""
+        is `round_index` only on a worker that was not behind. On a lossy wire (outer.comm_dtype,
+        outer.topk) each payload travels as the codec's bytes and every participant merges the
+        decoded ones, as `step` does; `feedback` (outer.error_feedback): the hosted replicas'
+        residuals, as for `step` (a replacement's replicas start without one). Needs a route
+        on which every worker merges: ValueError otherwise."""
         if not self.route.everyone_merges:
             raise ValueError(f"outer.strategy {self.outer.strategy} merges on owner ranks: the "
                              "quorum's outer step needs outer.placement=replicated")
-        if self.outer.lossy_wire:
-            raise ValueError("the quorum's outer step moves float32: outer.comm_dtype float32 "
-                             "without outer.topk")
         stats = OuterStepStats()
         device = next(iter(global_params.values())).device
         names = list(global_params)
@@ -257,10 +274,10 @@ class OuterSync:
         contribution = None
         if good:
             with stopwatch(stats, "merge_seconds", device):
-                payload = self.payloads.make(hosted, good, round_index, trained=trained)
+                payload = self.payloads.make(hosted, good, round_index, feedback, trained)
                 copies = len(payload[names[0]])  # 1 (the sum) or each hosted replica's
-                flat = torch.cat([payload[name][copy].reshape(-1)
-                                  for copy in range(copies) for name in names])
+                flat = self._to_quorum_wire([payload[name][copy] for copy in range(copies)
+                                             for name in names])
             contribution = Contribution(
                 flat, good, sum((losses or {}).get(r, 0.0) for r in good),
                 shares={r: (trained or {}).get(r, 1.0) for r in good},
@@ -268,41 +285,69 @@ class OuterSync:
         with stopwatch(stats, "comm_seconds", device):
             committed = seat.sync(contribution, waiting, joining, round_index)
         stats.dropped = [r for r in range(self.replicas) if r not in committed.good]
-        # The other participants' float32 payloads (the all-gather; headers are a few bytes).
+        # The other participants' payloads (the all-gather; headers are a few bytes).
         stats.bytes_received = (len(committed.participants) - 1) * 4 * seat.numel
         if not committed.good:
             stats.skipped = True
             return stats, committed
         with stopwatch(stats, "merge_seconds", device):
-            updates = self._updates(self._quorum_contributions(committed, global_params),
+            hosted_per_worker = seat.replicas // seat.workers
+            updates = self._updates(self._quorum_contributions(committed, global_params,
+                                                               hosted_per_worker),
                                     committed.good, committed.round, committed.shares)
             self.optimizer.apply(global_params, updates)
         return stats, committed
 
     def _quorum_contributions(self, committed: CommittedSync,
-                              global_params: Mapping[str, torch.Tensor]) -> Contributions:
+                              global_params: Mapping[str, torch.Tensor],
+                              hosted_per_worker: int) -> Contributions:
         """The committed payloads as `_updates` takes them. Sums: each contributor is a
         source that sent one sum per tensor, in rank order. Each Δ_r: one source holding
         every replica's (this group has one rank), worker w's V payloads as replicas
         wV … wV+V−1 (the layout); only the good ones are read."""
         names = list(global_params)
-        sizes = [global_params[name].numel() for name in names]
+        shapes = [global_params[name].shape for name in names]
+        copies = 1 if self.route.sums else hosted_per_worker
         contributions: Contributions = {name: [] for name in names}
-        if self.route.sums:
-            for payload in committed.payloads:
-                for name, part in zip(names, payload.split(sizes)):
-                    contributions[name].append([part.view_as(global_params[name])])
-            return contributions
         slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.replicas)]
         for rank, payload in zip(committed.contributors, committed.payloads):
-            copies = payload.numel() // sum(sizes)
-            for copy, chunk in enumerate(payload.split(sum(sizes))):
-                slots[rank * copies + copy] = {
-                    name: part.view_as(global_params[name])
-                    for name, part in zip(names, chunk.split(sizes))}
-        for name in names:
-            contributions[name].append([slot.get(name) for slot in slots])  # type: ignore[misc]
+            tensors = self._from_quorum_wire(payload, shapes * copies)
+            for copy in range(copies):
+                parts = dict(zip(names, tensors[copy * len(names):(copy + 1) * len(names)]))
+                if self.route.sums:
+                    for name in names:
+                        contributions[name].append([parts[name]])
+                else:
+                    slots[rank * copies + copy] = parts
+        if not self.route.sums:
+            for name in names:
+                contributions[name].append([slot.get(name)  # type: ignore[misc]
+                                            for slot in slots])
         return contributions
+
+    def _to_quorum_wire(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """`tensors` as one flat float32 tensor for the quorum's all-gather: their values on a
+        lossless wire, else the codec's bytes padded to whole words and viewed as float32
+        (the all-gather copies them bit for bit; nothing adds them)."""
+        if not self.outer.lossy_wire:
+            return torch.cat([t.reshape(-1) for t in tensors])
+        raw = self.transport.codec.encode(tensors, tensors[0].device).reshape(-1)
+        raw = raw.view(torch.uint8)
+        padding = -raw.numel() % 4
+        if padding:
+            raw = torch.cat([raw, raw.new_zeros(padding)])
+        return raw.view(torch.float32)
+
+    def _from_quorum_wire(self, flat: torch.Tensor, shapes: Sequence[torch.Size]
+                          ) -> list[torch.Tensor]:
+        """The tensors of `shapes` a peer's `_to_quorum_wire` sent (decoded, float32)."""
+        if not self.outer.lossy_wire:
+            return [part.view(shape) for part, shape in
+                    zip(flat.split([shape.numel() for shape in shapes]), shapes)]
+        codec = self.transport.codec
+        elements = sum(codec.elements(shape) for shape in shapes)
+        raw = flat.view(torch.uint8)[:elements * codec.wire_dtype.itemsize]
+        return [t.float() for t in codec.decode(raw.view(codec.wire_dtype), list(shapes))]
 
     # -- what each rank contributes ------------------------------------------------------------
 
