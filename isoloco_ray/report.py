@@ -134,7 +134,10 @@ def plot_eval_loss(report: Report) -> bytes | None:
     evals = {id(run): [(t, loss) for t, loss in run.evals() if finite(loss) is not None]
              for run in report.runs}
     runs = [run for run in report.ranked() if evals[id(run)]]
-    fig, (full, zoom) = plt.subplots(1, 2, figsize=(12, 5))
+    # The legend goes below both plots (constrained layout makes room for it): trial names
+    # can be long (every setting that tells them apart), and inside a plot they hide its lines.
+    fig, (full, zoom) = plt.subplots(1, 2, figsize=(12, 5 + 0.2 * len(runs)),
+                                     layout="constrained")
     halfway = max((t for run in runs for t, _ in evals[id(run)]), default=0) / 2
     zoom_values = []
     for run in runs:
@@ -156,8 +159,7 @@ def plot_eval_loss(report: Report) -> bytes | None:
         zoom.set_ylim(low - 0.05 * (high - low + 1e-3), high + 0.05 * (high - low + 1e-3))
     fig.suptitle(f"{report.title}: eval loss")
     if runs:
-        full.legend(fontsize="small")
-    fig.tight_layout()
+        fig.legend(loc="outside lower center", fontsize="small")
     image = io.BytesIO()
     fig.savefig(image, format="png", dpi=90)
     plt.close(fig)
