@@ -214,6 +214,11 @@ def codec_for(comm_dtype: str, topk: float | None = None) -> Codec:
     return codec if topk is None else TopKCodec(topk, codec)
 
 
+def wire_bytes(codec: Codec, shapes: Sequence[torch.Size]) -> int:
+    """Bytes of tensors of `shapes`, one after another, on `codec`'s wire."""
+    return sum(codec.elements(shape) for shape in shapes) * codec.wire_dtype.itemsize
+
+
 def _concat_bytes(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The bytes of `parts`, one after another, as a 1-D uint8 tensor."""
     if not parts:

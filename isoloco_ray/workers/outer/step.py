@@ -29,7 +29,7 @@ from isoloco_ray import aggregators
 from isoloco_ray.config import OuterConfig, settled
 from isoloco_ray.strategies import OuterMerge, Route
 from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
-from isoloco_ray.workers.outer.codec import codec_for
+from isoloco_ray.workers.outer.codec import codec_for, wire_bytes
 from isoloco_ray.workers.outer.payload import Payloads
 from isoloco_ray.workers.outer.plan import OuterPlan, position_shares
 from isoloco_ray.workers.outer.transport import Contributions, Transport
@@ -94,9 +94,7 @@ def quorum_numel(outer: OuterConfig, shapes: Sequence[torch.Size], hosted_per_wo
     copies = 1 if Route.choose(outer, OuterMerge.of(outer)).sums else hosted_per_worker
     if not outer.lossy_wire:
         return copies * sum(shape.numel() for shape in shapes)
-    codec = codec_for(outer.comm_dtype, outer.topk)
-    elements = copies * sum(codec.elements(shape) for shape in shapes)
-    return -(-elements * codec.wire_dtype.itemsize // 4)
+    return -(-copies * wire_bytes(codec_for(outer.comm_dtype, outer.topk), shapes) // 4)
 
 
 class OuterSync:
@@ -308,22 +306,19 @@ class OuterSync:
         names = list(global_params)
         shapes = [global_params[name].shape for name in names]
         copies = 1 if self.route.sums else hosted_per_worker
-        contributions: Contributions = {name: [] for name in names}
-        slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.replicas)]
-        for rank, payload in zip(committed.contributors, committed.payloads):
+        received: list[dict[str, torch.Tensor]] = []  # rank order; each rank's copies in order
+        for payload in committed.payloads:
             tensors = self._from_quorum_wire(payload, shapes * copies)
-            for copy in range(copies):
-                parts = dict(zip(names, tensors[copy * len(names):(copy + 1) * len(names)]))
-                if self.route.sums:
-                    for name in names:
-                        contributions[name].append([parts[name]])
-                else:
-                    slots[rank * copies + copy] = parts
-        if not self.route.sums:
-            for name in names:
-                contributions[name].append([slot.get(name)  # type: ignore[misc]
-                                            for slot in slots])
-        return contributions
+            received += [dict(zip(names, tensors[copy * len(names):(copy + 1) * len(names)]))
+                         for copy in range(copies)]
+        if self.route.sums:
+            return {name: [[parts[name]] for parts in received] for name in names}
+        slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.replicas)]
+        for index, parts in enumerate(received):
+            rank, copy = committed.contributors[index // copies], index % copies
+            slots[rank * copies + copy] = parts
+        return {name: [[slot.get(name) for slot in slots]]  # type: ignore[misc]
+                for name in names}
 
     def _to_quorum_wire(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """`tensors` as one flat float32 tensor for the quorum's all-gather: their values on a
@@ -345,8 +340,7 @@ class OuterSync:
             return [part.view(shape) for part, shape in
                     zip(flat.split([shape.numel() for shape in shapes]), shapes)]
         codec = self.transport.codec
-        elements = sum(codec.elements(shape) for shape in shapes)
-        raw = flat.view(torch.uint8)[:elements * codec.wire_dtype.itemsize]
+        raw = flat.view(torch.uint8)[:wire_bytes(codec, shapes)]
         return [t.float() for t in codec.decode(raw.view(codec.wire_dtype), list(shapes))]
 
     # -- what each rank contributes ------------------------------------------------------------

@@ -36,7 +36,7 @@ from isoloco_ray.workers.collectives import (
     group_size,
 )
 from isoloco_ray.strategies import WIRE_FORMATS
-from isoloco_ray.workers.outer.codec import codec_for
+from isoloco_ray.workers.outer.codec import codec_for, wire_bytes
 from isoloco_ray.workers.outer.plan import OuterPlan
 
 Payload = Mapping[str, list[torch.Tensor]]
@@ -121,7 +121,7 @@ class Transport:
         return self.traffic.take()
 
     def _bytes(self, shape: torch.Size) -> int:
-        return self.codec.elements(shape) * self.codec.wire_dtype.itemsize
+        return wire_bytes(self.codec, [shape])
 
     def _pack(self, payload: Payload, names: Sequence[str]) -> torch.Tensor:
         device = next(iter(payload.values()))[0].device
