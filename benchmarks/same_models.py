@@ -44,6 +44,20 @@ def configurations() -> dict[str, list[str]]:
     out["dare-topk-ef"] = ["--outer.strategy=dare", "--scaling.replicas=4",
                            "--scaling.replicas_per_worker=2", "--outer.topk=0.2",
                            "--outer.error_feedback=true"]
+    # Each merge option away from its default (the options travel from the config to the
+    # merge by their names).
+    for name, flags in {"ties-random": ["--outer.strategy=ties", "--outer.prune=random",
+                                        "--outer.sparsity=0.3", "--outer.rescale=true"],
+                        "ties-rows": ["--outer.strategy=ties", "--outer.prune_dim=row"],
+                        "isoloco-update": ["--outer.strategy=isoloco",
+                                           "--outer.orthogonalize=update"],
+                        "tsv-options": ["--outer.strategy=tsv", "--outer.keep_fraction=0.3",
+                                        "--outer.decorrelate=false"],
+                        "isocts-common": ["--outer.strategy=isocts",
+                                          "--outer.common_fraction=0.5"],
+                        "dare-disjoint": ["--outer.strategy=dare", "--outer.disjoint=true"]
+                        }.items():
+        out[name] = [*flags, "--scaling.replicas=4", "--scaling.replicas_per_worker=2"]
     return out
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from isoloco_ray.config import OPTION_STRATEGIES, ConfigError, nest, read_yaml_config
-from isoloco_ray.strategies import STRATEGIES
+from isoloco_ray.config import ConfigError, nest, read_yaml_config
+from isoloco_ray.strategies import STRATEGIES, option_strategies
 
 # The research code's strategy names -> ours (mergeloco is refined into ties or dare).
 RESEARCH_STRATEGIES = {
@@ -215,7 +215,7 @@ def convert_combination(params: dict[str, Any], nproc: int, notes: Notes) -> dic
         out["outer.strategy"] = strategy
 
     def applies(option: str) -> bool:
-        strategies = OPTION_STRATEGIES.get(option.removeprefix("outer."))
+        strategies = option_strategies().get(option.removeprefix("outer."))
         return strategy is None or strategies is None or strategy in strategies
 
     def put(key: str, path: str, value: Any) -> None:

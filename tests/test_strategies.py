@@ -3,12 +3,25 @@ random-pruning masks keyed by (seed, round, replica, tensor) wherever they are d
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from pydantic import Field
 
+from helpers import TINY_RUN
 from isoloco_ray import aggregators
-from isoloco_ray.config import OPTION_STRATEGIES, OuterConfig, load_config
-from isoloco_ray.strategies import MERGES, STRATEGIES, OuterMerge, Route
+from isoloco_ray.config import OuterConfig, load_config
+from isoloco_ray.strategies import (
+    MERGES,
+    STRATEGIES,
+    MergeOptions,
+    MergeSpec,
+    OuterMerge,
+    Route,
+    StrategySpec,
+    option_strategies,
+)
 from isoloco_ray.workers.outer.payload import pruning_generator
 from isoloco_ray.workers.outer.step import OuterSync
 
@@ -82,19 +95,62 @@ def test_each_configuration_resolves_to_its_merge(flags, merge, of_mean, update)
     assert resolved.spectral == MERGES[merge].spectral
 
 
-def test_every_registered_option_is_a_config_field_with_a_paper_value():
-    fields = set(OuterConfig.model_fields)
+def test_every_strategy_resolves_to_its_paper_values_and_its_options_defaults():
     for spec in STRATEGIES.values():
-        assert set(spec.options) <= fields, spec.name
-        if spec.merge is not None:
-            assert set(spec.options) <= set(MERGES[spec.merge].defaults) | {"orthogonalize"}
-        resolved = load_config([f"--outer.strategy={spec.name}"])
+        resolved = load_config([f"--outer.strategy={spec.name}", "--scaling.replicas=4"])
         assert resolved.inner.lr == spec.paper["inner_lr"]
         for key, value in spec.paper.items():
             if key != "inner_lr":
                 assert getattr(resolved.outer, key) == value, (spec.name, key)
-    for option, takers in OPTION_STRATEGIES.items():
-        assert option in fields and all(name in STRATEGIES for name in takers)
+        defaults = spec.options_model().for_replicas(4).model_dump()
+        assert resolved.outer.strategy_options == defaults, spec.name
+        # A resolved config loads again as it is (config.json of a run, a resume).
+        assert OuterConfig.model_validate(resolved.outer.model_dump()) == resolved.outer
+    for option, takers in option_strategies().items():
+        assert all(name in STRATEGIES for name in takers)
+        assert option in OuterConfig.model_fields or all(
+            option in STRATEGIES[name].options_model.model_fields for name in takers)
+    # TSV's keep_fraction: 1/R where unset (one owner: strategies.tsv_keep_fraction).
+    assert load_config(["--outer.strategy=tsv", "--scaling.replicas=8"]).outer \
+        .strategy_options["keep_fraction"] == 1 / 8
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--outer.strategy=ties", "--outer.sparsity=1.5"],
+     r"^outer.sparsity: Input should be less than 1 \(got '1.5'\)$"),
+    (["--outer.sparsity=0.2"],
+     r"^outer.sparsity does not apply to outer.strategy 'diloco' \(only to ties, dare\); "
+     r"remove it$"),
+    (["--outer.strategy=dare", "--outer.prune=magnitude"],
+     r"^outer.prune must be 'random' for outer.strategy 'dare' \(got 'magnitude'\): DARE "
+     r"drops entries at random; for magnitude pruning use outer.strategy=ties$"),
+    (["--outer.strategy=ties", "--outer.sparsity=0", "--outer.prune_dim=row",
+      "--outer.rescale=true"],
+     r"^outer.prune_dim=row, outer.rescale=True have no effect with outer.sparsity=0 \(every "
+     r"entry is kept\); set outer.sparsity > 0 or remove them$"),
+    (["--outer.strategy=isoloco", "--outer.orthogonalize=both"],
+     r"^outer.orthogonalize: Input should be 'gradient' or 'update' \(got 'both'\)$"),
+    (["--outer.strategy=tsv", "--outer.keep_fraction"],
+     r"^--outer.keep_fraction: give it a value, e.g. --outer.keep_fraction=VALUE"),
+    (["--outer.strategy=tsv2"], r"^outer.strategy must be one of diloco, .* \(got 'tsv2'\)$"),
+    (["--outer.keep_fractoin=0.5"], r"^--outer.keep_fractoin: unknown option; did you mean "
+                                    r"--outer.keep_fraction\?$"),
+])
+def test_a_strategys_options_are_checked_by_its_options_model(flags, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(flags)
+
+
+def test_a_yaml_config_sets_a_strategys_options_and_refuses_unknown_keys(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("outer:\n  strategy: ties\n  sparsity: 0.3\n  prune: random\n")
+    assert load_config([str(path)]).outer.strategy_options["prune"] == "random"
+    path.write_text("outer:\n  strategy: ties\n  sparsty: 0.3\n")
+    with pytest.raises(ValueError, match=r"^outer.sparsty: unknown field; see --help"):
+        load_config([str(path)])
+    # Another strategy's option left unset (as an older config.json holds it) is dropped.
+    path.write_text("outer:\n  strategy: diloco\n  sparsity: null\n  keep_fraction: null\n")
+    assert load_config([str(path)]).outer.strategy_options == {}
 
 
 def test_sparseloco_takes_the_papers_wire_where_the_run_leaves_it_unset():
@@ -124,34 +180,80 @@ def test_sparseloco_takes_the_papers_wire_where_the_run_leaves_it_unset():
 def test_every_merge_runs_with_its_defaults():
     matrices = [torch.randn(4, 3, generator=torch.Generator().manual_seed(r)) for r in range(3)]
     for name, spec in MERGES.items():
-        generator = torch.Generator().manual_seed(0) if "generator" in spec.defaults else None
+        generator = torch.Generator().manual_seed(0) if spec.options.draws_at_random else None
         options = {"generator": generator} if generator is not None else {}
         merged = aggregators.merge(name, matrices, **options)
         assert merged.shape == (4, 3) and torch.isfinite(merged).all(), name
 
 
-def test_a_merge_is_one_registry_entry_and_one_implementation():
-    """aggregators.merge checks at import that every merge of strategies.MERGES has exactly one
-    implementation of its kind (spectral or elementwise), and nothing else is implemented: a
-    merge listed but not written (once run as TSV) cannot be chosen."""
-    from isoloco_ray.aggregators.merge import check_implementations
-    from isoloco_ray.strategies import MergeSpec
+def scaled_mean(deltas: list[torch.Tensor], opts, generators) -> torch.Tensor:
+    """The toy merge of the registry test: the mean of the Δ_r times its one option."""
+    return (torch.stack(deltas).double().mean(0) * opts["scale"]).to(deltas[0].dtype)
 
-    def spec(name: str, spectral: bool) -> MergeSpec:
-        return MergeSpec(name, {}, spectral=spectral, of_mean=True)
 
-    def impl(*args):
-        return None
+class ScaledOptions(MergeOptions):
+    scale: float = Field(0.5, gt=0, le=1, description="the factor on the mean")
 
-    check_implementations({"a": spec("a", True), "b": spec("b", False)}, {"a": impl},
-                          {"b": impl})
-    with pytest.raises(ValueError, match=r"^aggregators.merge: 'new' has no spectral "
-                                         r"implementation$"):
-        check_implementations({"new": spec("new", True)}, {}, {})
-    with pytest.raises(ValueError, match=r"'b' has no elementwise implementation \(it has one "
-                                         r"of the other kind\); 'c' is implemented but not in "
-                                         r"strategies.MERGES"):
-        check_implementations({"b": spec("b", False)}, {"b": impl}, {"c": impl})
+
+@pytest.fixture
+def toy_merge(monkeypatch):
+    """A merge with one option and its strategy, added as one entry each."""
+    monkeypatch.setitem(MERGES, "scaled_mean", MergeSpec(
+        "scaled_mean", f"{__name__}:scaled_mean", spectral=False, of_mean=False,
+        options=ScaledOptions))
+    monkeypatch.setitem(STRATEGIES, "scaled", StrategySpec(
+        "scaled", "the mean Δ, scaled", "scaled_mean",
+        dict(inner_lr=2e-3, lr=1.0, momentum=0.0, nesterov=False)))
+
+
+def test_a_new_merge_with_an_option_is_one_registry_entry_and_trains(toy_merge,
+                                                                    small_dataset: Path):
+    """The toy merge (the mean times `scale`) at outer lr 1 moves the matrices exactly as the
+    mean at outer lr `scale` does (diloco_sgd), and the other tensors as the mean at lr 1 (a
+    merge applies to 2-D tensors): its option travels from the command line to the merge; it is
+    checked, listed in --help and refused for other strategies, with nothing else edited."""
+    from isoloco_ray.config.loading import strategy_options_help
+    from isoloco_ray.workers.local import run_local
+
+    run = [*TINY_RUN, f"--data.path={small_dataset}", "--scaling.replicas=2",
+           "--scaling.replicas_per_worker=2", "--inner.steps=2", "--run.rounds=1",
+           "--run.eval_tokens=256", "--inner.lr=2e-3"]
+    toy = load_config([*run, "--outer.strategy=scaled", "--outer.scale=0.25"])
+    assert toy.outer.strategy_options == {"scale": 0.25}
+    assert OuterMerge.of(toy.outer).options == ("scale",)
+    _, trained = run_local(toy, small_dataset)
+    _, at_scale = run_local(load_config([*run, "--outer.strategy=diloco_sgd", "--outer.lr=0.25"]),
+                            small_dataset)
+    _, at_one = run_local(load_config([*run, "--outer.strategy=diloco_sgd", "--outer.lr=1"]),
+                          small_dataset)
+    for name, value in trained.items():
+        # Equal up to float sums (the toy's Δ_r are gathered, the mean's all-reduced).
+        torch.testing.assert_close(value, (at_scale if value.dim() == 2 else at_one)[name],
+                                   rtol=0, atol=1e-6)
+        assert not torch.equal(at_scale[name], at_one[name])
+    assert "--outer.scale  (scaled) the factor on the mean" in strategy_options_help()
+    with pytest.raises(ValueError, match=r"^outer.scale: Input should be less than or equal "
+                                         r"to 1 \(got '2'\)$"):
+        load_config(["--outer.strategy=scaled", "--outer.scale=2"])
+    with pytest.raises(ValueError, match=r"outer.scale does not apply to outer.strategy "
+                                         r"'ties' \(only to scaled\)"):
+        load_config(["--outer.strategy=ties", "--outer.scale=0.5"])
+    merged = aggregators.merge("scaled_mean", [torch.ones(2, 2), 3 * torch.ones(2, 2)],
+                               scale=0.5)
+    assert merged.eq(1.0).all()
+
+
+def test_every_merge_names_an_implementation_that_loads(monkeypatch):
+    from isoloco_ray.aggregators.merge import implementation
+
+    for name in MERGES:
+        assert callable(implementation(name)), name
+    monkeypatch.setitem(MERGES, "unwritten", MergeSpec(
+        "unwritten", f"{__name__}:no_such_function", spectral=True, of_mean=True))
+    with pytest.raises(ValueError, match=r"^merge 'unwritten': its implementation "
+                                         r"'[\w.]+:no_such_function' \(strategies.MERGES\) "
+                                         r"cannot be loaded"):
+        aggregators.merge("unwritten", [torch.zeros(2, 2)])
 
 
 def test_an_unknown_merge_or_wire_format_is_refused_by_name():

@@ -4,7 +4,8 @@ Modules, one idea each:
 
 - ``merge``: ``merge(strategy, deltas, **options)`` for one parameter tensor and
   ``merge_all(strategy, deltas_by_name, **options)`` for a model (same-shape matrices batched);
-  strategies "mean", "isoc", "isocts", "tsv", "ties", "dare"; option checking.
+  the merges of the registry (isoloco_ray.strategies.MERGES: "mean", "isoc", "isocts", "tsv",
+  "ties", "dare"), each option checked by the merge's options model; their implementations.
 - ``isoc``: ISO-C of one matrix, from its polar factor.
 - ``isocts``: ISO-CTS (common + task-specific subspaces).
 - ``tsv``: TSV-Merge (task singular vectors).
@@ -24,15 +25,13 @@ mapping's order, replica by replica within a tensor, 2-D tensors only.
 from isoloco_ray.aggregators.isoc import isoc
 from isoloco_ray.aggregators.isocts import isocts_sizes
 from isoloco_ray.aggregators.linalg import polar
-from isoloco_ray.aggregators.merge import DEFAULTS, STRATEGIES, merge, merge_all
+from isoloco_ray.aggregators.merge import merge, merge_all
 from isoloco_ray.aggregators.outer import OuterOptimizer
 from isoloco_ray.aggregators.sparsify import disjoint_merge, sparsify
 from isoloco_ray.aggregators.tsv import tsv_rank
 from isoloco_ray.aggregators.weights import share_factors, weighted
 
 __all__ = [
-    "DEFAULTS",
-    "STRATEGIES",
     "OuterOptimizer",
     "disjoint_merge",
     "isoc",

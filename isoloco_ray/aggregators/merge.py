@@ -6,131 +6,118 @@ momentum and the outer learning rate.
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from isoloco_ray.aggregators.checks import (
-    check_bool,
-    check_choice,
-    check_fraction,
-    check_generator,
-)
+from isoloco_ray.aggregators.checks import check_choice, check_generator
 from isoloco_ray.aggregators.isoc import isoc64
 from isoloco_ray.aggregators.isocts import isocts64
 from isoloco_ray.aggregators.linalg import mean64
-from isoloco_ray.aggregators.sparsify import PRUNE_DIMS, PRUNE_METHODS, sparse_merge
+from isoloco_ray.aggregators.sparsify import sparse_merge
 from isoloco_ray.aggregators.tsv import tsv64
-from isoloco_ray.strategies import MERGES
-
-# The merges and every option each takes, with its default (isoloco_ray.strategies, the one
-# registry). None for keep_fraction means 1/R.
-STRATEGIES = tuple(MERGES)
-DEFAULTS: dict[str, dict[str, Any]] = {name: dict(spec.defaults) for name, spec in MERGES.items()}
+from isoloco_ray.strategies import MERGES, options_error, tsv_keep_fraction
 
 # Inputs stacked per batched call of a spectral merge (the float64 work needs a few times more).
 _BATCH_BYTES = 256 << 20
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
 
-
-# The implementation of each merge of strategies.MERGES (checked below: one each, none
-# unlisted). Spectral: the batched float64 computation, R tensors (b, m, n) and the options in,
-# (b, m, n) out. Elementwise: one tensor's R pseudo-gradients, the options and the replicas'
-# generators in, the merged tensor out.
+# The implementations the registry (strategies.MERGES) names. Spectral: the batched float64
+# computation, R tensors (b, m, n) and the options in, (b, m, n) out. Elementwise: one tensor's
+# R pseudo-gradients, the options and the replicas' generators in, the merged tensor out.
 SpectralMerge = Callable[[Sequence[Tensor], Mapping[str, Any]], Tensor]
 ElementwiseMerge = Callable[[list[Tensor], Mapping[str, Any], list[torch.Generator | None]],
                             Tensor]
-_SPECTRAL: dict[str, SpectralMerge] = {
-    "isoc": lambda deltas, opts: isoc64(mean64(deltas)),
-    "isocts": lambda deltas, opts: isocts64(deltas, opts["common_fraction"]),
-    "tsv": lambda deltas, opts: tsv64(deltas, opts["keep_fraction"] or 1.0 / len(deltas),
-                                      opts["decorrelate"]),
-}
 
 
-def _sparse(deltas: list[Tensor], opts: Mapping[str, Any],
-            generators: list[torch.Generator | None]) -> Tensor:
+def mean_merge(deltas: list[Tensor], opts: Mapping[str, Any],
+               generators: list[torch.Generator | None]) -> Tensor:
+    """The plain mean, in float64."""
+    return mean64(deltas).to(deltas[0].dtype)
+
+
+def isoc_merge(deltas: Sequence[Tensor], opts: Mapping[str, Any]) -> Tensor:
+    """ISO-C of the mean."""
+    return isoc64(mean64(deltas))
+
+
+def isocts_merge(deltas: Sequence[Tensor], opts: Mapping[str, Any]) -> Tensor:
+    """ISO-CTS of every Δ_r."""
+    return isocts64(deltas, opts["common_fraction"])
+
+
+def tsv_merge(deltas: Sequence[Tensor], opts: Mapping[str, Any]) -> Tensor:
+    """TSV-Merge of every Δ_r."""
+    return tsv64(deltas, tsv_keep_fraction(opts["keep_fraction"], len(deltas)),
+                 opts["decorrelate"])
+
+
+def sparse_merge_of(deltas: list[Tensor], opts: Mapping[str, Any],
+                    generators: list[torch.Generator | None]) -> Tensor:
+    """TIES and DARE: each Δ_r pruned, then the disjoint merge or the mean."""
     return sparse_merge(deltas, sparsity=opts["sparsity"], prune=opts["prune"],
                         prune_dim=opts["prune_dim"], rescale=opts["rescale"],
                         disjoint=opts["disjoint"], generators=generators)
 
 
-_ELEMENTWISE: dict[str, ElementwiseMerge] = {
-    "mean": lambda deltas, opts, generators: mean64(deltas).to(deltas[0].dtype),
-    "ties": _sparse,
-    "dare": _sparse,
-}
-
-
-def check_implementations(merges: Mapping[str, Any], spectral: Mapping[str, Any],
-                          elementwise: Mapping[str, Any]) -> None:
-    """ValueError unless every merge of the registry `merges` (name -> MergeSpec) has exactly
-    one implementation, of its kind: a merge the registry lists but nobody implements, or one
-    implemented but not listed, would otherwise be found only by the run that chose it."""
-    problems = []
-    for name, spec in merges.items():
-        table, other = (spectral, elementwise) if spec.spectral else (elementwise, spectral)
-        if name not in table:
-            kind = "spectral" if spec.spectral else "elementwise"
-            problems.append(f"{name!r} has no {kind} implementation"
-                            + (" (it has one of the other kind)" if name in other else ""))
-    problems += [f"{name!r} is implemented but not in strategies.MERGES"
-                 for name in {**spectral, **elementwise} if name not in merges]
-    if problems:
-        raise ValueError("aggregators.merge: " + "; ".join(problems))
-
-
-check_implementations(MERGES, _SPECTRAL, _ELEMENTWISE)
+@functools.cache
+def implementation(strategy: str) -> Callable[..., Tensor]:
+    """The function the registry names for merge `strategy` ("module:function"), imported once.
+    ValueError naming the merge when it cannot be found."""
+    path = MERGES[strategy].implementation
+    module, _, name = path.partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"merge {strategy!r}: its implementation {path!r} (strategies.MERGES) "
+                         f"cannot be loaded: {exc}") from None
+    if not callable(function):
+        raise ValueError(f"merge {strategy!r}: {path!r} is not a function")
+    return function
 
 
 def _spectral(strategy: str, opts: Mapping[str, Any]) -> Callable[[Sequence[Tensor]], Tensor]:
     """The batched float64 implementation of `strategy` with its options bound."""
-    implementation = _SPECTRAL[strategy]
-    return lambda deltas: implementation(deltas, opts)
+    function: SpectralMerge = implementation(strategy)
+    return lambda deltas: function(deltas, opts)
 
 
 def resolve_options(strategy: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """Check `strategy` and its `options`; return every option of the strategy with defaults
-    filled in (an option given as None takes its default). Raises ValueError on an unknown
-    strategy, an option the strategy does not take, or a value out of range."""
-    check_choice("strategy", strategy, STRATEGIES)
-    allowed = DEFAULTS[strategy]
-    unknown = sorted(set(options) - set(allowed))
+    """Check `strategy` and its `options` (its options model in strategies.MERGES, strictly:
+    no strings for numbers or booleans); return every option of the strategy with defaults
+    filled in (an option given as None takes its default), and `generator` for the merges that
+    draw at random. Raises ValueError on an unknown strategy, an option the strategy does not
+    take, or a value out of range."""
+    from pydantic import ValidationError
+
+    check_choice("strategy", strategy, tuple(MERGES))
+    model = MERGES[strategy].options
+    given = {key: value for key, value in options.items() if value is not None}
+    generator = given.pop("generator", None) if model.draws_at_random else None
+    unknown = sorted(set(given) - set(model.model_fields))
     if unknown:
-        takes = ", ".join(allowed) if allowed else "no options"
+        takes = ", ".join(model.model_fields) if model.model_fields else "no options"
         raise ValueError(f"option(s) {', '.join(unknown)} do not apply to strategy "
                          f"{strategy!r} (it takes: {takes})")
-    opts = dict(allowed)
-    opts.update({key: value for key, value in options.items() if value is not None})
-    if "common_fraction" in opts:
-        opts["common_fraction"] = check_fraction("common_fraction", opts["common_fraction"],
-                                                 0.0, 1.0)
-    if opts.get("keep_fraction") is not None:
-        opts["keep_fraction"] = check_fraction("keep_fraction", opts["keep_fraction"],
-                                               0.0, 1.0, low_open=True)
-    if "sparsity" in opts:
-        opts["sparsity"] = check_fraction("sparsity", opts["sparsity"], 0.0, 1.0,
-                                          high_open=True)
-        check_choice("prune", opts["prune"], PRUNE_METHODS)
-        check_choice("prune_dim", opts["prune_dim"], PRUNE_DIMS)
-        if strategy == "dare" and opts["prune"] != "random":
-            raise ValueError("prune for strategy 'dare' must be 'random' (DARE drops at random; "
-                             f"for magnitude pruning use 'ties'); got {opts['prune']!r}")
-        if opts["prune"] == "random" and opts["generator"] is None:
+    try:
+        opts = model.model_validate(given, strict=True).model_dump()
+    except ValidationError as exc:
+        raise options_error(exc) from None
+    if model.draws_at_random:
+        if opts["prune"] == "random" and generator is None:
             raise ValueError(f"strategy {strategy!r} with prune 'random' needs a generator "
                              "(a seeded torch.Generator, or one per replica)")
-    for key in ("decorrelate", "rescale", "disjoint"):
-        if key in opts:
-            check_bool(key, opts[key])
-    if opts.get("generator") is not None:
-        gens = opts["generator"]
-        if not isinstance(gens, torch.Generator | Sequence):
-            check_generator("generator", gens)
-        for g in [gens] if isinstance(gens, torch.Generator) else gens:
-            check_generator("generator", g)
+        if generator is not None and not isinstance(generator, torch.Generator | Sequence):
+            check_generator("generator", generator)
+        for g in [generator] if isinstance(generator, torch.Generator | None) else generator:
+            if g is not None:
+                check_generator("generator", g)
+        opts["generator"] = generator
     return opts
 
 
@@ -171,7 +158,8 @@ def _merge_one(strategy: str, deltas: list[Tensor], opts: Mapping[str, Any],
     if deltas[0].dim() != 2:
         return mean64(deltas).to(deltas[0].dtype)
     if not MERGES[strategy].spectral:
-        return _ELEMENTWISE[strategy](deltas, opts, generators)
+        elementwise: ElementwiseMerge = implementation(strategy)
+        return elementwise(deltas, opts, generators)
     merged = _spectral(strategy, opts)([d.unsqueeze(0) for d in deltas])
     return merged[0].to(deltas[0].dtype)
 

@@ -27,6 +27,7 @@ from isoloco_ray.config.loading import (
                                         optional_field_paths,
                                         parse_cli_overrides,
                                         read_yaml_config,
+                                        setting_paths,
 )
 from isoloco_ray.config.resolved import ModelShape, Resolved, settled
 from isoloco_ray.config.resume import RESUME_MAY_CHANGE, RESUME_MUST_MATCH, config_differences
@@ -34,7 +35,6 @@ from isoloco_ray.config.schema import (
                                         MODEL_PRESETS,
                                         NAME_MAX_LEN,
                                         NAME_PATTERN,
-                                        OPTION_STRATEGIES,
                                         DataConfig,
                                         InnerConfig,
                                         ModelConfig,
@@ -42,7 +42,6 @@ from isoloco_ray.config.schema import (
                                         OuterConfig,
                                         RunConfig,
                                         ScalingConfig,
-                                        Strategy,
                                         WandbConfig,
                                         check_name,
                                         path_text,
@@ -50,11 +49,11 @@ from isoloco_ray.config.schema import (
 from isoloco_ray.config.train_config import TrainConfig
 
 __all__ = ["CLI_DESCRIPTION", "CLI_NONE", "MODEL_PRESETS", "NAME_MAX_LEN",
-           "NAME_PATTERN", "NULL_SPELLINGS", "OPTION_STRATEGIES", "RESUME_MAY_CHANGE",
+           "NAME_PATTERN", "NULL_SPELLINGS", "RESUME_MAY_CHANGE",
            "RESUME_MUST_MATCH", "ConfigError", "DataConfig", "InnerConfig",
            "ModelConfig", "ModelPreset", "ModelShape", "OuterConfig", "Resolved",
-           "RunConfig", "ScalingConfig", "Strategy", "TrainConfig", "WandbConfig",
+           "RunConfig", "ScalingConfig", "TrainConfig", "WandbConfig",
            "build_config", "check_name", "config_differences", "field_paths", "flatten",
            "format_validation_error", "load_config", "merge_nested", "nest",
            "optional_field_paths", "parse_cli_overrides", "path_text",
-           "read_yaml_config", "settled"]
+           "read_yaml_config", "setting_paths", "settled"]

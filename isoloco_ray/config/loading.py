@@ -9,7 +9,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from isoloco_ray.config.schema import OuterConfig
 from isoloco_ray.config.train_config import TrainConfig
+from isoloco_ray.strategies import STRATEGIES, option_strategies
 
 
 class ConfigError(ValueError):
@@ -109,11 +111,63 @@ def parse_cli_overrides(args: list[str], prog: str) -> dict[str, Any]:
                                           cli_parse_none_str=CLI_NONE, cli_hide_none_type=True,
                                           cli_exit_on_error=False)
 
-    CommandLine.__doc__ = CLI_DESCRIPTION  # the --help description
+    CommandLine.__doc__ = CLI_DESCRIPTION + "\n\n" + strategy_options_help()
+    args, options = _strategy_option_flags(args)
     try:
-        return CliSettingsSource(CommandLine, cli_parse_args=_unset_spellings(args))()
+        parsed = CliSettingsSource(CommandLine, cli_parse_args=_unset_spellings(args))()
     except SettingsError as exc:
         raise ConfigError(_explain_cli_error(str(exc))) from None
+    return merge_nested(parsed, {"outer": options}) if options else parsed
+
+
+def setting_paths() -> list[str]:
+    """Dotted paths of every setting of a run: TrainConfig's fields and the strategies'
+    options."""
+    return field_paths(TrainConfig) + strategy_option_paths()
+
+
+def strategy_option_paths() -> list[str]:
+    """`outer.<option>` of every option a strategy of the registry takes beyond OuterConfig's
+    own fields (strategies.py: each strategy's options model)."""
+    return [f"outer.{name}" for name in option_strategies()
+            if name not in OuterConfig.model_fields]
+
+
+def strategy_options_help() -> str:
+    """The strategies' options for --help: each with the strategies that take it."""
+    lines = ["Each strategy's options (--outer.NAME=VALUE; only for the strategies named,"
+             " defaults: docs/strategies.md):"]
+    takers = option_strategies()
+    for path in strategy_option_paths():
+        name = path.removeprefix("outer.")
+        model = STRATEGIES[takers[name][0]].options_model
+        lines.append(f"  --{path}  ({', '.join(takers[name])}) "
+                     f"{model.model_fields[name].description}")
+    return "\n".join(lines)
+
+
+def _strategy_option_flags(args: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """`args` without the strategy options' flags (`--outer.sparsity=0.2` or `--outer.sparsity
+    0.2`), and those options' values as given (text; "unset" spellings as None), which the
+    strategy's options model checks. pydantic-settings knows only OuterConfig's own fields."""
+    options = {path.removeprefix("outer."): path for path in strategy_option_paths()}
+    rest: list[str] = []
+    given: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        flag, eq, value = args[i].partition("=")
+        name = flag.removeprefix("--outer.") if flag.startswith("--outer.") else None
+        if name not in options:
+            rest.append(args[i])
+            i += 1
+            continue
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"{flag}: give it a value, e.g. {flag}=VALUE (see --help)")
+            i, value = i + 1, args[i + 1]
+        given[name] = None if value.lower() in NULL_SPELLINGS else value
+        i += 1
+    return rest, given
 
 
 def _unset_spellings(args: list[str]) -> list[str]:
@@ -151,7 +205,7 @@ def _explain_cli_error(message: str) -> str:
     if not unknown:
         return message.removeprefix("error parsing CLI: ")
     flag = unknown.group(1).split("=", 1)[0]
-    known = [f"--{path}" for path in field_paths(TrainConfig)]
+    known = [f"--{path}" for path in setting_paths()]
     close = difflib.get_close_matches(flag, known, n=1)
     hint = f"; did you mean {close[0]}?" if close else "; see --help for every field"
     return f"{flag}: unknown option{hint}"

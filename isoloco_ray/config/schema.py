@@ -11,10 +11,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from isoloco_ray.config.resolved import ModelShape, settled
-from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, Placement, option_strategies
+from isoloco_ray.strategies import (
+    STRATEGIES,
+    WIRE_FORMATS,
+    Placement,
+    strategy_options,
+)
 
 ModelPreset = Literal["tiny", "demo", "178M", "512M"]
-Strategy = Literal[tuple(STRATEGIES)]  # type: ignore[valid-type]
 
 # Llama sizes. "178M" and "512M" are the paper's (docs/strategies.md); "demo" is the ~3M model that
 # trains visibly on 2 CPU cores in minutes; "tiny" is for tests.
@@ -28,11 +32,6 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     "512M": dict(hidden_size=1536, num_layers=12, num_heads=12, num_kv_heads=12,
                  intermediate_size=5440, max_seq_len=2048),
 }
-
-# Which strategies each outer.* option applies to; setting one for another strategy is an
-# error rather than silently ignored.
-OPTION_STRATEGIES = option_strategies()
-
 
 # Run and grid names become directory names under run.storage_path (and Ray Train's run names,
 # which Ray encodes as ASCII): one path component of a safe character set, bounded in length.
@@ -287,25 +286,18 @@ class InnerConfig(Section):
 
 
 class OuterConfig(Section):
-    """The outer step: which merge, and its optimizer (docs/strategies.md)."""
+    """The outer step: which merge, and its optimizer (docs/strategies.md). The strategy's own
+    options (outer.sparsity, outer.keep_fraction, ...) are the fields of its options model in
+    the registry (strategies.py), checked and filled in with their defaults here."""
 
-    strategy: Strategy = Field("diloco", description=", ".join(STRATEGIES))
+    # Keys beyond the fields below are the strategy's options (`strategy_options`).
+    model_config = ConfigDict(extra="allow")
+
+    strategy: str = Field("diloco", description=", ".join(STRATEGIES))
     lr: float | None = Field(None, ge=0, description="outer lr η (default: the strategy's)")
     momentum: float | None = Field(None, ge=0, lt=1, description="outer momentum μ "
                                    "(default: the strategy's)")
     nesterov: bool | None = Field(None, description="Nesterov momentum (default: the strategy's)")
-    orthogonalize: Literal["gradient", "update"] | None = Field(
-        None, description="isoloco: ISO-C before momentum (gradient) or after it (update)")
-    common_fraction: float | None = Field(None, ge=0, le=1, description="isocts common fraction")
-    keep_fraction: float | None = Field(None, gt=0, le=1, description="tsv keep fraction "
-                                        "(default 1/R)")
-    decorrelate: bool | None = Field(None, description="tsv: orthogonalise the stacked bases")
-    sparsity: float | None = Field(None, ge=0, lt=1, description="ties/dare: fraction dropped")
-    prune: Literal["magnitude", "random"] | None = Field(None, description="ties/dare pruning")
-    prune_dim: Literal["all", "row", "column"] | None = Field(
-        None, description="ties/dare: prune entries, whole rows or whole columns")
-    rescale: bool | None = Field(None, description="ties/dare: rescale kept entries by 1/(1-p)")
-    disjoint: bool | None = Field(None, description="ties/dare: TIES sign-elected disjoint merge")
     placement: Placement = Field(
         "sharded", description="who merges each tensor: sharded (owners spread over the workers, "
         "balanced by cost), rank0 (one worker merges all), replicated (every worker merges all)")
@@ -340,6 +332,31 @@ class OuterConfig(Section):
     mix: float = Field(
         0.0, ge=0, lt=1, description="where a fragment's update lands, each replica keeps "
         "mix·local + (1 − mix)·global of it (0: takes the global, as DiLoCo)")
+
+    @field_validator("strategy")
+    @classmethod
+    def _check_strategy(cls, strategy: str) -> str:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"outer.strategy must be one of {', '.join(STRATEGIES)} (got "
+                             f"{strategy!r})")
+        return strategy
+
+    @model_validator(mode="after")
+    def _take_the_strategys_options(self) -> OuterConfig:
+        # Every option of the strategy, as given or its default (an unset per-R default stays
+        # None until TrainConfig knows R: settle_options).
+        self.__pydantic_extra__ = strategy_options(self.strategy, self.__pydantic_extra__ or {})
+        return self
+
+    def settle_options(self, replicas: int) -> None:
+        """Fill in the options whose defaults depend on the number of replicas R."""
+        self.__pydantic_extra__ = strategy_options(self.strategy, self.strategy_options,
+                                                   replicas)
+
+    @property
+    def strategy_options(self) -> dict[str, Any]:
+        """The strategy's options (its options model's fields in the registry), resolved."""
+        return dict(self.__pydantic_extra__ or {})
 
     @property
     def has_outer_step(self) -> bool:

@@ -7,7 +7,6 @@ from pydantic import model_validator
 
 from isoloco_ray.config.resolved import Resolved, settled
 from isoloco_ray.config.schema import (
-    OPTION_STRATEGIES,
     DataConfig,
     InnerConfig,
     ModelConfig,
@@ -16,7 +15,13 @@ from isoloco_ray.config.schema import (
     ScalingConfig,
     Section,
 )
-from isoloco_ray.strategies import STRATEGIES, WIRE_FORMATS, OuterMerge, Route
+from isoloco_ray.strategies import (
+    OUTER_STEP_OPTIONS,
+    STRATEGIES,
+    WIRE_FORMATS,
+    OuterMerge,
+    Route,
+)
 
 
 class TrainConfig(Section):
@@ -33,20 +38,16 @@ class TrainConfig(Section):
     def _resolve(self) -> TrainConfig:
         spec = STRATEGIES[self.outer.strategy]
         preset = spec.paper
-        for option, strategies in OPTION_STRATEGIES.items():
-            value = getattr(self.outer, option)
-            # The preset's own value is allowed, so a resolved config round-trips (adamw_ddp
-            # fills lr/momentum/nesterov with inert values).
-            if (value is not None and self.outer.strategy not in strategies
-                    and value != preset.get(option)):
-                raise ValueError(
-                    f"outer.{option} does not apply to outer.strategy "
-                    f"'{self.outer.strategy}' (only to {', '.join(strategies)}); remove it")
-        for option, (only, instead) in spec.fixed.items():
-            value = getattr(self.outer, option)
-            if value is not None and value != only:
-                raise ValueError(f"outer.{option} must be {only!r} for outer.strategy "
-                                 f"'{spec.name}' (got {value!r}): {instead}")
+        if not spec.has_outer_step:
+            for option in OUTER_STEP_OPTIONS:
+                value = getattr(self.outer, option)
+                # The preset's own value is allowed, so a resolved config round-trips (adamw_ddp
+                # fills lr/momentum/nesterov with inert values).
+                if value is not None and value != preset[option]:
+                    raise ValueError(
+                        f"outer.{option} does not apply to outer.strategy "
+                        f"'{self.outer.strategy}' (only to the strategies with an outer step); "
+                        "remove it")
         self._check_streaming()
         if self.inner.lr is None:
             self.inner.lr = preset["inner_lr"]
@@ -60,9 +61,7 @@ class TrainConfig(Section):
                              "or --outer.nesterov=false")
         self._check_outer_effective()
         self._check_fault_tolerance()
-        for option, default in spec.per_replica_defaults.items():
-            if getattr(self.outer, option) is None:
-                setattr(self.outer, option, default(self.scaling.replicas))
+        self.outer.settle_options(self.scaling.replicas)
         if self.run.token_budget is not None:
             rounds = self.run.token_budget // self.tokens_per_round
             # A resolved config carries both; only a disagreement is the user's error.
@@ -98,7 +97,7 @@ class TrainConfig(Section):
         """Refuse outer settings that would be accepted and change nothing under the others
         (checked on resolved values: a value equal to the harmless one, as a resolved config
         holds, passes)."""
-        outer, preset = self.outer, STRATEGIES[self.outer.strategy].paper
+        outer = self.outer
         if not outer.has_outer_step:
             inert = [f"outer.{name}={getattr(outer, name)}" for name, harmless in
                      (("comm_dtype", "float32"), ("topk", None), ("placement", "sharded"))
@@ -119,14 +118,6 @@ class TrainConfig(Section):
                              f"'{outer.strategy}': every worker merges the all-reduced float32 "
                              "sum of the pseudo-gradients, so nothing is cast; use placement "
                              f"sharded or rank0 to send {wire.name}, or comm_dtype float32")
-        if outer.sparsity == 0:
-            inert = [f"outer.{name}={getattr(outer, name)}"
-                     for name in ("prune", "prune_dim", "rescale")
-                     if getattr(outer, name) != preset.get(name)]
-            if inert:
-                raise ValueError(f"{_have_no_effect(inert)} with outer.sparsity=0 (every "
-                                 "entry is kept); set outer.sparsity > 0 or remove "
-                                 f"{'it' if len(inert) == 1 else 'them'}")
 
     def _check_fault_tolerance(self) -> None:
         """What `scaling.fault_tolerance: replica` runs so far: every DiLoCo strategy's outer

@@ -20,18 +20,18 @@ from isoloco_ray.config import (
     ConfigError,
     TrainConfig,
     check_name,
-    field_paths,
+    setting_paths,
     flatten,
     format_validation_error,
     read_yaml_config,
 )
 from isoloco_ray.metrics import ROUND_METRICS, SUMMARY_METRICS
+from isoloco_ray.strategies import STRATEGIES, option_strategies
 
 # The most trials a grid file makes unless it sets max_trials: higher.
 MAX_TRIALS = 1000
 # The summary figures a grid may rank by (metrics.RunSummary's ranked fields).
 SummaryMetric = Literal[SUMMARY_METRICS]  # type: ignore[valid-type]
-FIELD_PATHS = field_paths(TrainConfig)
 # Paths with environment references ($DATA_DIR/...) expanded when a grid is loaded, so files
 # converted from W&B sweeps keep working unchanged on another cluster.
 ENV_PATH_FIELDS = ("data.path", "run.storage_path")
@@ -239,24 +239,28 @@ class SearchSpec(_Strict):
 
 
 def _field_types(path: str) -> tuple[Any, ...]:
-    """The types the TrainConfig field at `path` takes (`int | None`: int, NoneType)."""
+    """The types the TrainConfig setting at `path` takes (`int | None`: int, NoneType); a
+    strategy's option (outer.sparsity): as its options model declares it."""
     import typing
 
     model: Any = TrainConfig
     *sections, name = path.split(".")
     for section in sections:
         model = model.model_fields[section].annotation
+    if name not in model.model_fields:
+        model = STRATEGIES[option_strategies()[name][0]].options_model
     annotation = model.model_fields[name].annotation
     return typing.get_args(annotation) or (annotation,)
 
 
 def check_field_path(path: str) -> str:
-    """`path` if it names a field of TrainConfig, else ValueError with the closest one."""
-    if path in FIELD_PATHS:
+    """`path` if it names a setting of TrainConfig, else ValueError with the closest one."""
+    paths = setting_paths()
+    if path in paths:
         if path in _GRID_OWNED:
             raise ValueError(f"{path} {_GRID_OWNED[path]}")
         return path
-    close = difflib.get_close_matches(path, FIELD_PATHS, n=1)
+    close = difflib.get_close_matches(path, paths, n=1)
     hint = f"; did you mean {close[0]}?" if close else " (fields are section.field, e.g. inner.lr)"
     raise ValueError(f"unknown field {path!r}{hint}")
 

@@ -167,7 +167,7 @@ def streaming_run(cfg: TrainConfig, data_dir: DataDir) -> dict[str, torch.Tensor
     theta = {n: p.detach().clone() for n, p in models[0].named_parameters()}
     parts = split_fragments({n: t.shape for n, t in theta.items()}, fragments)
     resolved = OuterMerge.of(outer)
-    options = {key: getattr(outer, key) for key in resolved.options}
+    options = {key: outer.strategy_options[key] for key in resolved.options}
     outer_opt = outer_optimizer(outer, resolved.orthogonalize_update)
     local = [dict(m.named_parameters()) for m in models]
 

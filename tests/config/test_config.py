@@ -68,7 +68,7 @@ def test_token_budget_sets_rounds():
     (["--scaling.replicas=3"], "scaling.replicas (3) must be divisible by "
                                "scaling.replicas_per_worker (2)"),
     (["--data.seq_len=512"], "data.seq_len (512) exceeds the model's context"),
-    (["--outer.strategy=sgd"], "outer.strategy: Input should be 'diloco'"),
+    (["--outer.strategy=sgd"], "outer.strategy must be one of diloco, diloco_sgd, isoc"),
     (["--data.batch_size=8", "--data.micro_batch_size=3"], "data.batch_size (8) must be a "
                                                            "multiple of data.micro_batch_size"),
     (["--run.rounds=2", "--run.token_budget=10"], "set run.rounds or run.token_budget"),

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from isoloco_ray import aggregators
-from isoloco_ray.config import OuterConfig, settled
+from isoloco_ray.config import OuterConfig
 from isoloco_ray.strategies import OuterMerge, Route
 from isoloco_ray.workers.outer.codec import Codec
 
@@ -100,12 +100,10 @@ class Payloads:
         only; other tensors as they are)."""
         if delta.dim() != 2:
             return delta
-        outer = self.outer
+        options = self.outer.strategy_options
         return aggregators.sparsify(
-            delta, settled(outer.sparsity, "outer.sparsity"),
-            prune=settled(outer.prune, "outer.prune"),
-            prune_dim=settled(outer.prune_dim, "outer.prune_dim"),
-            rescale=settled(outer.rescale, "outer.rescale"),
+            delta, options["sparsity"], prune=options["prune"], prune_dim=options["prune_dim"],
+            rescale=options["rescale"],
             generator=self.generators(round_index, [replica], name, delta.device)[0])
 
     def generators(self, round_index: int, replicas: Sequence[int], tensor: str,
@@ -113,6 +111,6 @@ class Payloads:
         """The random-pruning stream of each of `replicas` for `tensor` this round on `device`
         (None when pruning is by magnitude), wherever the mask is drawn: on the replica's host
         or at the tensor's owner."""
-        if self.outer.prune != "random":
+        if self.outer.strategy_options.get("prune") != "random":
             return [None] * len(replicas)
         return [pruning_generator(self.seed, round_index, r, tensor, device) for r in replicas]

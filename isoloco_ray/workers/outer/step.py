@@ -403,7 +403,7 @@ class OuterSync:
     def _merge_gathered(self, gathered: dict[str, list[torch.Tensor]], good: Sequence[int],
                         round_index: int) -> dict[str, torch.Tensor]:
         """The merge of every good replica's Δ_r (in replica order) of each tensor."""
-        options = {key: getattr(self.outer, key) for key in self.resolved.options}
+        options = {key: self.outer.strategy_options[key] for key in self.resolved.options}
         if options.get("prune") == "random":
             # Each replica's mask from its own stream (see pruning_generator): tensor by tensor.
             return {name: aggregators.merge(
