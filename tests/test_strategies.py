@@ -167,6 +167,14 @@ def test_sparseloco_takes_the_papers_wire_where_the_run_leaves_it_unset():
     # Without error feedback there is no residual to decay: β goes back to 1, not an error.
     plain = load_config(["--outer.strategy=sparseloco", "--outer.error_feedback=false"]).outer
     assert (plain.error_feedback, plain.error_decay) == (False, 1.0)
+    # Nor on a lossless wire the run chose: its error feedback would have nothing to correct.
+    lossless = load_config(["--outer.strategy=sparseloco", "--outer.comm_dtype=float32",
+                            "--outer.topk=null"]).outer
+    assert (lossless.error_feedback, lossless.error_decay) == (False, 1.0)
+    with pytest.raises(ValueError, match="outer.error_feedback corrects what the transport "
+                                         "loses, and float32 without outer.topk loses nothing"):
+        load_config(["--outer.strategy=sparseloco", "--outer.comm_dtype=float32",
+                     "--outer.topk=null", "--outer.error_feedback=true"])
     # A resolved config loads again as it is.
     again = OuterConfig.model_validate(paper.model_dump())
     assert again == paper

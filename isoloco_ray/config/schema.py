@@ -383,14 +383,16 @@ class OuterConfig(Section):
         unset = set(wire) - self.model_fields_set
         for option in unset:
             setattr(self, option, wire[option])
+        if "error_feedback" in unset and not self.lossy_wire:
+            self.error_feedback = False  # the run's own lossless wire: nothing to correct
         if not self.error_feedback and "error_decay" in unset:
             self.error_decay = 1.0  # the strategy's β decays a residual this run keeps none of
         return self
 
     @model_validator(mode="after")
     def _check_chunked_wire(self) -> OuterConfig:
-        if not WIRE_FORMATS[self.comm_dtype].chunked:
-            return self
+        if not WIRE_FORMATS[self.comm_dtype].chunked or not self.has_outer_step:
+            return self  # without an outer step: TrainConfig says the wire has no effect
         if self.topk is None:
             raise ValueError(f"outer.comm_dtype={self.comm_dtype} sends the largest entries of "
                              "each 64x64 chunk: set outer.topk, the share kept (SparseLoCo: "

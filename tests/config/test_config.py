@@ -92,6 +92,8 @@ def test_token_budget_sets_rounds():
     (["--outer.strategy=adamw_ddp", "--outer.comm_dtype=int8", "--outer.topk=0.1"],
      "outer.comm_dtype=int8, outer.topk=0.1 have no effect with adamw_ddp (it has no outer "
      "sync: its gradients are all-reduced in float32 every inner step); remove them"),
+    (["--outer.strategy=adamw_ddp", "--outer.comm_dtype=int2"],
+     "outer.comm_dtype=int2 has no effect with adamw_ddp (it has no outer sync"),
     (["--outer.strategy=adamw_ddp", "--outer.placement=rank0"],
      "outer.placement=rank0 has no effect with adamw_ddp"),
     (["--outer.lr=0"], "outer.lr = 0 never moves the global model; set outer.lr > 0, or leave "
