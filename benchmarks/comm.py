@@ -203,7 +203,8 @@ def time_updates(outer: OuterConfig, contributions: Contributions,
     best = float("inf")
     for _ in range(5):
         sync = OuterSync(outer, REPLICAS, seed)
-        updates, took = timed(lambda: sync._updates(contributions, range(REPLICAS), 0))
+        updates, took = timed(lambda: sync._momentum_updates(
+            sync._merged(contributions, range(REPLICAS), 0)))
         best = min(best, took)
         if took >= 0.5:
             break
@@ -251,7 +252,7 @@ def part2(strategies: list[str], blocks: int, seed: int) -> None:
                 seconds[s][key] += took
                 if key == "all":
                     payload = {r: {n: deltas[n][r] for n in names} for r in hosted}
-                    _, took = timed(lambda: sync.payloads.make(payload, good, 0))
+                    _, took = timed(lambda: sync.exchange.pack(payload, good, 0))
                     params = {n: torch.zeros(shape) for n in names}
                     _, applied = timed(lambda: sync.optimizer.apply(params, updates))
                     seconds[s]["shared"] += took + applied

@@ -90,7 +90,7 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
     theta = {n: p.detach().clone() for n, p in replicas[0][0].named_parameters()}
     resolved = OuterMerge.of(cfg.outer)
     every_delta = OuterSync(cfg.outer.quorum_outer(), len(replicas), cfg.run.seed)
-    wire = every_delta.transport.codec  # what a worker's sum crosses as (a cast)
+    wire = every_delta.exchange.codec  # what a worker's sum crosses as (a cast)
     feedback: dict[int, dict[str, torch.Tensor]] | None = (
         {r: {} for r in range(len(replicas))} if cfg.outer.error_feedback else None)
     optimizer = outer_optimizer(cfg.outer)
@@ -111,7 +111,7 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
                                for r in mine}
                 deltas.update(mine_deltas)
                 if resolved.prune_where_hosted:  # a mean of pruned Δ_r: pruned where hosted
-                    mine_deltas = {r: {n: every_delta.payloads.pruned(d, round_index, r, n)
+                    mine_deltas = {r: {n: every_delta.exchange.payloads.pruned(d, round_index, r, n)
                                        for n, d in delta.items()}
                                    for r, delta in mine_deltas.items()}
                 # Σ_r f_r·Δ_r from zero in replica order, as Payloads.make (f_r = 1: Δ_r)

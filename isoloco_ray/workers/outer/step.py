@@ -1,18 +1,23 @@
 """The outer step: R pseudo-gradients in, one update of the global parameters out.
 
-Each rank of the outer group hosts L = R / ranks replicas. One step, on every rank:
+Each rank of the outer group hosts L = R / ranks replicas. One step (`OuterSync.step`), on
+every rank:
 
 1. which replicas are good (finite Δ_r and loss), agreed by all ranks;
-2. this rank's payload (payload.py), along the run's route (strategies.Route): summed by an
-   all-reduce, gathered by every rank, or sent to each tensor's owner (plan.py);
-3. the merge of what arrived (aggregators) and the outer momentum, by every rank or by the
-   owners, who send the updates back (transport.py); outer momentum lives where the merge
-   runs: with every rank, or only with the tensor's owner (as ZeRO-1 shards optimizer state);
-4. θ ← θ − lr·u for every tensor, so all ranks end bit-identical.
+2. the exchange (exchange.py, chosen once from the run's route): what this rank sends of its
+   good replicas' Δ_r (their sum, or each one; pruned where hosted; error feedback), and what
+   reaches it to merge: every payload (all-reduce, all-gather), or those of the tensors it owns;
+3. the merge of what arrived (aggregators), then the outer momentum, which lives where the
+   merge runs: with every rank, or only with the tensor's owner (as ZeRO-1 shards optimizer
+   state);
+4. the exchange again: each owner's updates to every rank (nothing, where every rank merged);
+5. θ ← θ − lr·u for every tensor, so all ranks end bit-identical.
 
 With a replica spread over G workers there are G outer groups, one per position within the
 replicas, and each steps only its share of the tensors (plan.position_shares): the caller
-then shares the new values within each replica (layout.ReplicaShard.share).
+then shares the new values within each replica (layout.ReplicaShard.share). The quorum's step
+(`quorum_step`, scaling.fault_tolerance: replica) sends the same payload through its seat and
+merges what the contributors sent, as `step` would have.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from isoloco_ray.config import OuterConfig, settled
 from isoloco_ray.strategies import OuterMerge, Route
 from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
 from isoloco_ray.workers.outer.codec import codec_for, wire_bytes
-from isoloco_ray.workers.outer.payload import Payloads
+from isoloco_ray.workers.outer.exchange import Exchange
 from isoloco_ray.workers.outer.plan import OuterPlan, position_shares
-from isoloco_ray.workers.outer.transport import Contributions, Transport
+from isoloco_ray.workers.outer.transport import Contributions
 from isoloco_ray.workers.quorum import CommittedSync, Contribution, QuorumSeat
 
 
@@ -121,8 +126,7 @@ class OuterSync:
         self.merge = self.resolved.merge
         self.mean_only = self.resolved.of_mean  # the merge needs only the mean of the Δ_r
         self.route = Route.choose(outer, self.resolved)  # chosen once: strategies.Route
-        self.transport = Transport(outer.comm_dtype, group, outer.topk)
-        self.payloads = Payloads(outer, self.resolved, self.route, self.transport.codec, seed)
+        self.exchange = Exchange.choose(outer, self.resolved, self.route, seed, group)
         self.optimizer = outer_optimizer(outer, self.resolved.orthogonalize_update)
         self._plans: dict[tuple[str, ...], OuterPlan] = {}
         self._shares: dict[tuple[str, ...], tuple[tuple[str, ...], ...]] = {}
@@ -207,31 +211,25 @@ class OuterSync:
             stats.skipped = True
             return stats
         plan = self.plan({name: t.shape for name, t in global_params.items()})
-        if self.positions > 1:
-            mine = plan.owners  # this position's tensors
-            global_params = {name: global_params[name] for name in mine}
-            hosted = {r: {name: delta[name] for name in mine} for r, delta in hosted.items()}
-            if not mine:  # another position steps every tensor of this fragment
+        if self.positions > 1:  # this position's tensors only
+            global_params = {name: global_params[name] for name in plan.owners}
+            hosted = {r: {name: delta[name] for name in plan.owners}
+                      for r, delta in hosted.items()}
+            if not plan.owners:  # another position steps every tensor of this fragment
                 self.optimizer.apply(global_params, {})  # counts the step, as they do
                 return stats
-        device = next(iter(global_params.values())).device
-        with stopwatch(stats, "merge_seconds", device):
-            payload = self.payloads.make(hosted, good, round_index, feedback, trained)
-        if self.route.everyone_merges:
-            with stopwatch(stats, "comm_seconds", device):
-                contributions = self.transport.everything(payload, summed=self.route.sums)
-            with stopwatch(stats, "merge_seconds", device):
-                updates = self._updates(contributions, good, round_index, trained)
-        else:
-            with stopwatch(stats, "comm_seconds", device):
-                contributions = self.transport.to_owners(payload, plan)
-            with stopwatch(stats, "merge_seconds", device):
-                owned_updates = self._updates(contributions, good, round_index, trained)
-            with stopwatch(stats, "comm_seconds", device):
-                updates = self.transport.from_owners(owned_updates, global_params, plan)
-        with stopwatch(stats, "merge_seconds", device):
+        exchange, device = self.exchange, next(iter(global_params.values())).device
+        with stopwatch(stats, "merge_seconds", device):  # what this rank sends of its Δ_r
+            payload = exchange.pack(hosted, good, round_index, feedback, trained)
+        with stopwatch(stats, "comm_seconds", device):  # what reaches it to merge
+            arrived = exchange.send(payload, plan)
+        with stopwatch(stats, "merge_seconds", device):  # merge, then outer momentum
+            updates = self._momentum_updates(self._merged(arrived, good, round_index, trained))
+        with stopwatch(stats, "comm_seconds", device):  # every tensor's update, everywhere
+            updates = exchange.bring_back(updates, global_params, plan)
+        with stopwatch(stats, "merge_seconds", device):  # θ ← θ − lr·u
             self.optimizer.apply(global_params, updates)
-        stats.bytes_received = self.transport.take_bytes()
+        stats.bytes_received = exchange.take_bytes()
         return stats
 
     def quorum_step(self, global_params: dict[str, torch.Tensor],
@@ -272,10 +270,8 @@ class OuterSync:
         contribution = None
         if good:
             with stopwatch(stats, "merge_seconds", device):
-                payload = self.payloads.make(hosted, good, round_index, feedback, trained)
-                copies = len(payload[names[0]])  # 1 (the sum) or each hosted replica's
-                flat = self._to_quorum_wire([payload[name][copy] for copy in range(copies)
-                                             for name in names])
+                payload = self.exchange.pack(hosted, good, round_index, feedback, trained)
+                flat = self.exchange.to_quorum_wire(payload, names)
             contribution = Contribution(
                 flat, good, sum((losses or {}).get(r, 0.0) for r in good),
                 shares={r: (trained or {}).get(r, 1.0) for r in good},
@@ -290,10 +286,10 @@ class OuterSync:
             return stats, committed
         with stopwatch(stats, "merge_seconds", device):
             hosted_per_worker = seat.replicas // seat.workers
-            updates = self._updates(self._quorum_contributions(committed, global_params,
-                                                               hosted_per_worker),
-                                    committed.good, committed.round, committed.shares)
-            self.optimizer.apply(global_params, updates)
+            arrived = self._quorum_contributions(committed, global_params, hosted_per_worker)
+            directions = self._merged(arrived, committed.good, committed.round,
+                                      committed.shares)
+            self.optimizer.apply(global_params, self._momentum_updates(directions))
         return stats, committed
 
     def _quorum_contributions(self, committed: CommittedSync,
@@ -308,7 +304,7 @@ class OuterSync:
         copies = 1 if self.route.sums else hosted_per_worker
         received: list[dict[str, torch.Tensor]] = []  # rank order; each rank's copies in order
         for payload in committed.payloads:
-            tensors = self._from_quorum_wire(payload, shapes * copies)
+            tensors = self.exchange.from_quorum_wire(payload, shapes * copies)
             received += [dict(zip(names, tensors[copy * len(names):(copy + 1) * len(names)]))
                          for copy in range(copies)]
         if self.route.sums:
@@ -319,29 +315,6 @@ class OuterSync:
             slots[rank * copies + copy] = parts
         return {name: [[slot.get(name) for slot in slots]]  # type: ignore[misc]
                 for name in names}
-
-    def _to_quorum_wire(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """`tensors` as one flat float32 tensor for the quorum's all-gather: their values on a
-        lossless wire, else the codec's bytes padded to whole words and viewed as float32
-        (the all-gather copies them bit for bit; nothing adds them)."""
-        if not self.outer.lossy_wire:
-            return torch.cat([t.reshape(-1) for t in tensors])
-        raw = self.transport.codec.encode(tensors, tensors[0].device).reshape(-1)
-        raw = raw.view(torch.uint8)
-        padding = -raw.numel() % 4
-        if padding:
-            raw = torch.cat([raw, raw.new_zeros(padding)])
-        return raw.view(torch.float32)
-
-    def _from_quorum_wire(self, flat: torch.Tensor, shapes: Sequence[torch.Size]
-                          ) -> list[torch.Tensor]:
-        """The tensors of `shapes` a peer's `_to_quorum_wire` sent (decoded, float32)."""
-        if not self.outer.lossy_wire:
-            return [part.view(shape) for part, shape in
-                    zip(flat.split([shape.numel() for shape in shapes]), shapes)]
-        codec = self.transport.codec
-        raw = flat.view(torch.uint8)[:wire_bytes(codec, shapes)]
-        return [t.float() for t in codec.decode(raw.view(codec.wire_dtype), list(shapes))]
 
     # -- what each rank contributes ------------------------------------------------------------
 
@@ -364,12 +337,12 @@ class OuterSync:
 
     # -- merging -------------------------------------------------------------------------------
 
-    def _updates(self, contributions: Contributions, good: Sequence[int], round_index: int,
-                 trained: Mapping[int, float] | None = None) -> dict[str, torch.Tensor]:
-        """The outer update u of every tensor in `contributions`: merge, then momentum; each
-        Δ_r weighted by the share of the round it `trained` (aggregators/weights.py; the sums
-        were weighted by their senders: the mean divides by Σ f_r, which is the number of
-        replicas when all are 1)."""
+    def _merged(self, contributions: Contributions, good: Sequence[int], round_index: int,
+                trained: Mapping[int, float] | None = None) -> dict[str, torch.Tensor]:
+        """The merged direction of every tensor in `contributions`; each Δ_r weighted by the
+        share of the round it `trained` (aggregators/weights.py; the sums were weighted by
+        their senders: the mean divides by Σ f_r, which is the number of replicas when all
+        are 1)."""
         weights = [1.0 if trained is None else trained.get(r, 1.0) for r in good]
         if self.route.sums:
             means = {}
@@ -378,7 +351,7 @@ class OuterSync:
                 for source in sources[1:]:
                     total += source[0]
                 means[name] = total / sum(weights)
-            return self._momentum_updates(self._merged_means(means))
+            return self._merged_means(means)
         # Replica r is payload tensor r % L of rank r // L: ranks host contiguous replicas.
         per_rank = self.hosted_per_rank
         gathered = {name: aggregators.weighted(
@@ -387,8 +360,8 @@ class OuterSync:
         if self.mean_only:  # every replica's (pruned) Δ_r came, not their sums
             means = {name: torch.stack(deltas).sum(dim=0) / len(good)
                      for name, deltas in gathered.items()}
-            return self._momentum_updates(self._merged_means(means))
-        return self._momentum_updates(self._merge_gathered(gathered, good, round_index))
+            return self._merged_means(means)
+        return self._merge_gathered(gathered, good, round_index)
 
     def _merged_means(self, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The merge of a strategy that needs only the mean Δ of each tensor."""
@@ -408,6 +381,7 @@ class OuterSync:
             # Each replica's mask from its own stream (see pruning_generator): tensor by tensor.
             return {name: aggregators.merge(
                 self.merge, deltas, **options,
-                generator=self.payloads.generators(round_index, good, name, deltas[0].device))
+                generator=self.exchange.payloads.generators(round_index, good, name,
+                                                            deltas[0].device))
                 for name, deltas in gathered.items()}
         return aggregators.merge_all(self.merge, gathered, **options)

@@ -1,0 +1,119 @@
+"""The exchange: what of its hosted replicas' Δ_r a rank sends in an outer step, how it
+travels, and how the merged updates come back. Chosen once per run from its route
+(strategies.Route), so the outer step (step.py) reads the same whatever the wire:
+
+- `EveryoneMerges`: every rank gets every payload (a float32 all-reduce of the sums, or an
+  all-gather of every Δ_r in `outer.comm_dtype`) and merges every tensor itself: nothing comes
+  back.
+- `OwnersMerge`: each tensor's payloads go to its owner rank (plan.py), which merges them and
+  broadcasts the update.
+
+Behind it sit the payload (payload.py: sums or each Δ_r, pruned where hosted, error feedback),
+the codec (codec.py) and the collectives (transport.py). The quorum's outer step
+(scaling.fault_tolerance: replica) sends the same payload as one flat tensor through its seat:
+`to_quorum_wire` / `from_quorum_wire`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from isoloco_ray.config import OuterConfig
+from isoloco_ray.strategies import OuterMerge, Route
+from isoloco_ray.workers.collectives import Group
+from isoloco_ray.workers.outer.codec import Codec, wire_bytes
+from isoloco_ray.workers.outer.payload import Payloads
+from isoloco_ray.workers.outer.plan import OuterPlan
+from isoloco_ray.workers.outer.transport import Contributions, Payload, Transport
+
+
+class Exchange(ABC):
+    """One run's outer-step traffic; `choose` picks the kind its route takes."""
+
+    def __init__(self, outer: OuterConfig, merge: OuterMerge, route: Route, seed: int,
+                 group: Group = None) -> None:
+        self.outer, self.route = outer, route
+        self.transport = Transport(outer.comm_dtype, group, outer.topk)
+        self.payloads = Payloads(outer, merge, route, self.transport.codec, seed)
+
+    @staticmethod
+    def choose(outer: OuterConfig, merge: OuterMerge, route: Route, seed: int,
+               group: Group = None) -> Exchange:
+        """The exchange of `route`: every rank merges, or each tensor's owner."""
+        kind = EveryoneMerges if route.everyone_merges else OwnersMerge
+        return kind(outer, merge, route, seed, group)
+
+    @property
+    def codec(self) -> Codec:
+        """How payloads travel (outer.comm_dtype, outer.topk)."""
+        return self.transport.codec
+
+    def pack(self, hosted: Mapping[int, Mapping[str, torch.Tensor]], good: Sequence[int],
+             round_index: int, feedback: Mapping[int, dict[str, torch.Tensor]] | None = None,
+             trained: Mapping[int, float] | None = None) -> Payload:
+        """What this rank sends of its hosted replicas' Δ_r (payload.Payloads.make)."""
+        return self.payloads.make(hosted, good, round_index, feedback, trained)
+
+    @abstractmethod
+    def send(self, payload: Payload, plan: OuterPlan) -> Contributions:
+        """Every rank's payload of the tensors this rank merges: name -> source -> tensors."""
+
+    @abstractmethod
+    def bring_back(self, updates: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor],
+                   plan: OuterPlan) -> dict[str, torch.Tensor]:
+        """Every tensor's update on every rank, from the `updates` this rank merged."""
+
+    def take_bytes(self) -> int:
+        """Bytes this rank received since the last call."""
+        return self.transport.take_bytes()
+
+    def to_quorum_wire(self, payload: Payload, names: Sequence[str]) -> torch.Tensor:
+        """`payload` as one flat float32 tensor for the quorum's all-gather, each copy (the
+        sum, or each hosted Δ_r) in turn, its tensors in the order of `names`: the values on a
+        lossless wire, else the codec's bytes padded to whole words and viewed as float32 (the
+        all-gather copies them bit for bit; nothing adds them)."""
+        copies = len(payload[names[0]])
+        tensors = [payload[name][copy] for copy in range(copies) for name in names]
+        if not self.outer.lossy_wire:
+            return torch.cat([t.reshape(-1) for t in tensors])
+        raw = self.codec.encode(tensors, tensors[0].device).reshape(-1).view(torch.uint8)
+        padding = -raw.numel() % 4
+        if padding:
+            raw = torch.cat([raw, raw.new_zeros(padding)])
+        return raw.view(torch.float32)
+
+    def from_quorum_wire(self, flat: torch.Tensor, shapes: Sequence[torch.Size]
+                         ) -> list[torch.Tensor]:
+        """The tensors of `shapes` a peer's `to_quorum_wire` sent (decoded, float32)."""
+        if not self.outer.lossy_wire:
+            return [part.view(shape) for part, shape in
+                    zip(flat.split([shape.numel() for shape in shapes]), shapes)]
+        raw = flat.view(torch.uint8)[:wire_bytes(self.codec, shapes)]
+        return [t.float() for t in self.codec.decode(raw.view(self.codec.wire_dtype),
+                                                     list(shapes))]
+
+
+class EveryoneMerges(Exchange):
+    """Every rank gets every payload and merges every tensor: the all-reduce of sums, or the
+    all-gather of every Δ_r."""
+
+    def send(self, payload: Payload, plan: OuterPlan) -> Contributions:
+        return self.transport.everything(payload, summed=self.route.sums)
+
+    def bring_back(self, updates: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor],
+                   plan: OuterPlan) -> dict[str, torch.Tensor]:
+        return updates  # every rank merged every tensor alike
+
+
+class OwnersMerge(Exchange):
+    """Each tensor's payloads go to its owner, which sends its update back."""
+
+    def send(self, payload: Payload, plan: OuterPlan) -> Contributions:
+        return self.transport.to_owners(payload, plan)
+
+    def bring_back(self, updates: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor],
+                   plan: OuterPlan) -> dict[str, torch.Tensor]:
+        return self.transport.from_owners(updates, params, plan)
