@@ -15,6 +15,7 @@ import torch
 from isoloco_ray.data.format import DataError
 from isoloco_ray.workers.agreement import TrainingStopped, stop_if_any_rank_failed
 from isoloco_ray.workers.fragments import round_events
+from isoloco_ray.workers.outer.quorum_sync import QuorumSync
 from isoloco_ray.workers.outer.step import OuterStepStats, stopwatch
 from isoloco_ray.workers.overlap import Background
 from isoloco_ray.workers.quorum import CommittedSync
@@ -179,6 +180,7 @@ class DiLoCoRounds:
                     else None)
         target = {name: parts.global_params[name] for name in names}
         if parts.env.seat is not None:
+            assert isinstance(parts.outer, QuorumSync)
             steps = {r.index: len(losses[r.index]) for r in parts.replicas}
             started = time.perf_counter()
             stats, committed = parts.outer.quorum_step(

@@ -34,6 +34,7 @@ from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
 from isoloco_ray.workers.fragments import split_fragments
 from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
+from isoloco_ray.workers.outer.quorum_sync import QuorumSync
 from isoloco_ray.workers.outer.step import OuterSync
 from isoloco_ray.workers.replica import (
     Replica,
@@ -100,9 +101,10 @@ class Trainer:
                     keeps_params=cfg.outer.streaming)
             for r in self.layout.hosted
         ]
-        self.outer = OuterSync(cfg.outer if env.seat is None else cfg.outer.quorum_outer(),
-                               cfg.scaling.replicas, cfg.run.seed, self.layout.sync_group,
-                               self.layout.workers_per_replica, self.layout.position)
+        self.outer = (OuterSync(cfg.outer, cfg.scaling.replicas, cfg.run.seed,
+                                self.layout.sync_group, self.layout.workers_per_replica,
+                                self.layout.position) if env.seat is None
+                      else QuorumSync(cfg.outer, cfg.scaling.replicas, cfg.run.seed))
         self.fragments = split_fragments({n: p.shape for n, p in self.global_params.items()},
                                          cfg.outer.fragments)
         parts = RoundParts(cfg, env, self.layout, self.model, self.runtime, self.global_params,
@@ -269,6 +271,7 @@ class Trainer:
         checkpoint round this worker adds its replicas' files to the checkpoint, so that it is
         complete."""
         assert self.env.seat is not None and isinstance(self.runner, DiLoCoRounds)
+        assert isinstance(self.outer, QuorumSync)
         deadline = time.monotonic() + JOIN_WAIT_S
         while True:
             _, committed = self.outer.quorum_step(self.global_params, {}, self.round,

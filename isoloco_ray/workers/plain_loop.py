@@ -69,7 +69,7 @@ def run_over_quorums(cfg: TrainConfig, data_dir: DataDir,
                      contributors: Sequence[Sequence[int]],
                      replica_steps: Sequence[Sequence[int]] | None = None
                      ) -> dict[str, torch.Tensor]:
-    """DiLoCo when workers miss rounds (the quorum's outer step, OuterSync.quorum_step),
+    """DiLoCo when workers miss rounds (the quorum's outer step, QuorumSync.quorum_step),
     plainly: W = R/V workers, worker w hosting replicas wV … wV+V−1. In round j only the
     workers in `contributors[j]` take their inner steps. For a merge of the mean each sends
     the sum of its replicas' Δ_r (in replica order); the mean is those sums added in rank

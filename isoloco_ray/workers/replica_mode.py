@@ -52,7 +52,7 @@ from isoloco_ray.workers.agreement import TrainingStopped
 from isoloco_ray.workers.export import export_into_summary
 from isoloco_ray.workers.loop import Trainer
 from isoloco_ray.workers.model import parameter_shapes
-from isoloco_ray.workers.outer.step import quorum_numel
+from isoloco_ray.workers.outer.quorum_sync import quorum_numel
 from isoloco_ray.workers.quorum import QuorumSeat
 from isoloco_ray.workers.round_metrics import Metrics
 from isoloco_ray.workers.worker_env import WorkerEnv

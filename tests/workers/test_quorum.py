@@ -24,7 +24,8 @@ from isoloco_ray import aggregators  # noqa: E402
 from isoloco_ray.config import load_config  # noqa: E402
 from isoloco_ray.fault_tolerance import min_quorum  # noqa: E402
 from isoloco_ray.strategies import OuterMerge  # noqa: E402
-from isoloco_ray.workers.outer.step import OuterSync, quorum_numel  # noqa: E402
+from isoloco_ray.workers.outer.quorum_sync import QuorumSync, quorum_numel  # noqa: E402
+from isoloco_ray.workers.outer.step import OuterSync  # noqa: E402
 from isoloco_ray.workers.quorum import (CommittedSync, Contribution, QuorumSeat,  # noqa: E402
                                         WorkersDiffer)
 
@@ -249,12 +250,12 @@ def seeded(seed: int) -> dict[str, torch.Tensor]:
 
 
 class Peer:
-    """A worker of the quorum-step tests: θ, its OuterSync and seat; it hosts replicas
+    """A worker of the quorum-step tests: θ, its QuorumSync and seat; it hosts replicas
     2·rank and 2·rank+1, whose Δ_r in round j are seeded by (j, r)."""
 
     def __init__(self, rank: int, outer, lighthouse: str) -> None:
         self.rank, self.theta = rank, seeded(0)
-        self.outer = OuterSync(outer, REPLICAS, seed=0)
+        self.outer = QuorumSync(outer, REPLICAS, seed=0)
         # outer.error_feedback: each hosted replica's residual, as Replica.feedback holds it.
         self.feedback = ({r: {} for r in range(HOSTED * rank, HOSTED * rank + HOSTED)}
                          if outer.error_feedback else None)
@@ -288,7 +289,7 @@ def hosted_deltas(round_index: int, rank: int) -> dict[int, dict[str, torch.Tens
                                             ("diloco", "bfloat16")])
 def test_the_outer_step_over_a_quorum_is_the_plain_step_over_its_contributors(lighthouse,
                                                                             strategy, wire):
-    """OuterSync.quorum_step on 3 workers (2 replicas each), one replica diverged in round 1
+    """QuorumSync.quorum_step on 3 workers (2 replicas each), one replica diverged in round 1
     and a worker gone in round 2: every survivor's θ is the plain outer step's, bit for bit,
     over the sums of the replicas that took part (each worker's in replica order, rounded to
     the wire's dtype, then the workers' in rank order)."""
@@ -487,10 +488,14 @@ def test_a_compressed_wire_over_a_quorum_is_the_one_process_step_on_it(lighthous
     assert quorum_numel(outer, shapes, HOSTED) < dense
 
 
-def test_the_quorum_step_refuses_a_route_it_cannot_run():
-    outer = load_config(["--outer.strategy=isoc", "--scaling.replicas=6"]).outer
-    with pytest.raises(ValueError, match="needs outer.placement=replicated"):
-        OuterSync(outer, REPLICAS, seed=0).quorum_step(seeded(0), {0: seeded(1)}, 1, None)
+def test_the_quorum_runs_every_placement_as_every_worker_merging():
+    """A run's sharded or rank-0 placement means owners in a fixed group; over a quorum every
+    worker merges what it gathered (its peers may be gone)."""
+    for placement in ("sharded", "rank0"):
+        outer = load_config(["--outer.strategy=isoc", "--scaling.replicas=6",
+                             f"--outer.placement={placement}"]).outer
+        sync = QuorumSync(outer, REPLICAS, seed=0)
+        assert sync.outer.placement == "replicated" and sync.route.everyone_merges
 
 
 

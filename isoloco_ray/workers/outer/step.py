@@ -15,9 +15,9 @@ every rank:
 
 With a replica spread over G workers there are G outer groups, one per position within the
 replicas, and each steps only its share of the tensors (plan.position_shares): the caller
-then shares the new values within each replica (layout.ReplicaShard.share). The quorum's step
-(`quorum_step`, scaling.fault_tolerance: replica) sends the same payload through its seat and
-merges what the contributors sent, as `step` would have.
+then shares the new values within each replica (layout.ReplicaShard.share). Over a quorum
+(scaling.fault_tolerance: replica), quorum_sync.py's QuorumSync sends the same payload through
+the worker's seat and merges what the contributors sent, as `step` would have.
 """
 
 from __future__ import annotations
@@ -34,11 +34,9 @@ from isoloco_ray import aggregators
 from isoloco_ray.config import OuterConfig, settled
 from isoloco_ray.strategies import OuterMerge, Route
 from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
-from isoloco_ray.workers.outer.codec import codec_for, wire_bytes
 from isoloco_ray.workers.outer.exchange import Exchange
 from isoloco_ray.workers.outer.plan import OuterPlan, position_shares
 from isoloco_ray.workers.outer.transport import Contributions
-from isoloco_ray.workers.quorum import CommittedSync, Contribution, QuorumSeat
 
 
 @dataclass
@@ -87,19 +85,6 @@ def outer_optimizer(outer: OuterConfig, orthogonalize_update: bool = False
         lr=settled(outer.lr, "outer.lr"), momentum=settled(outer.momentum, "outer.momentum"),
         nesterov=settled(outer.nesterov, "outer.nesterov"),
         orthogonalize_update=orthogonalize_update)
-
-
-def quorum_numel(outer: OuterConfig, shapes: Sequence[torch.Size], hosted_per_worker: int
-                 ) -> int:
-    """The length of one worker's payload to the quorum (QuorumSeat's `numel`) with the outer
-    settings `outer` (as the quorum runs them: OuterConfig.quorum_outer) and a model of
-    parameters of `shapes`: float32 elements of its sum or of each of its `hosted_per_worker`
-    replicas' Δ_r, or on a lossy wire the codec's bytes of them in whole float32 words
-    (OuterSync._to_quorum_wire)."""
-    copies = 1 if Route.choose(outer, OuterMerge.of(outer)).sums else hosted_per_worker
-    if not outer.lossy_wire:
-        return copies * sum(shape.numel() for shape in shapes)
-    return -(-copies * wire_bytes(codec_for(outer.comm_dtype, outer.topk), shapes) // 4)
 
 
 class OuterSync:
@@ -231,90 +216,6 @@ class OuterSync:
             self.optimizer.apply(global_params, updates)
         stats.bytes_received = exchange.take_bytes()
         return stats
-
-    def quorum_step(self, global_params: dict[str, torch.Tensor],
-                    hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,
-                    seat: QuorumSeat, diverged: Collection[int] = (),
-                    losses: Mapping[int, float] | None = None, waiting: bool = False,
-                    joining: bool = False, trained: Mapping[int, float] | None = None,
-                    step_seconds: float = 0.0,
-                    feedback: Mapping[int, dict[str, torch.Tensor]] | None = None
-                    ) -> tuple[OuterStepStats, CommittedSync]:
-        """The outer step over the workers alive this round (scaling.fault_tolerance:
-        replica). This worker's payload goes to the round's quorum (quorum.py): the sum of its
-        good hosted Δ_r when the merge needs only their mean, else each hosted Δ_r (pruned
-        where hosted, as `step` sends them). Every participant then merges what the
-        contributors sent, in rank order, exactly as `step` merges the replicas it has: the
-        mean divides by the good replicas in it, a per-replica merge gets their Δ_r in replica
-        order, and the replicas of a worker that sent nothing are left out like diverged ones.
-        `losses` (each hosted replica's mean inner loss) are summed over the good ones into
-        the quorum's loss sum; `waiting`, `joining`: see QuorumSeat.sync; `trained`: the share
-        of the round each hosted replica trained (partial rounds, aggregators/weights.py: the
-        merge weights every contributor's Δ_r by the shares all of them sent),
-        `step_seconds` this worker's seconds per inner step (both into the sync's header).
-        `global_params` and
-        the outer state may be replaced by a peer's inside the sync (this worker was behind: it
-        brings no Δ), and the merge is keyed by the sync's round (CommittedSync.round), which
-        is `round_index` only on a worker that was not behind. On a lossy wire (outer.comm_dtype,
-        outer.topk) each payload travels as the codec's bytes and every participant merges the
-        decoded ones, as `step` does; `feedback` (outer.error_feedback): the hosted replicas'
-        residuals, as for `step` (a replacement's replicas start without one). Needs a route
-        on which every worker merges: ValueError otherwise."""
-        if not self.route.everyone_merges:
-            raise ValueError(f"outer.strategy {self.outer.strategy} merges on owner ranks: the "
-                             "quorum's outer step needs outer.placement=replicated")
-        stats = OuterStepStats()
-        device = next(iter(global_params.values())).device
-        names = list(global_params)
-        good = self._finite_hosted(hosted, diverged)
-        contribution = None
-        if good:
-            with stopwatch(stats, "merge_seconds", device):
-                payload = self.exchange.pack(hosted, good, round_index, feedback, trained)
-                flat = self.exchange.to_quorum_wire(payload, names)
-            contribution = Contribution(
-                flat, good, sum((losses or {}).get(r, 0.0) for r in good),
-                shares={r: (trained or {}).get(r, 1.0) for r in good},
-                step_seconds=step_seconds)
-        with stopwatch(stats, "comm_seconds", device):
-            committed = seat.sync(contribution, waiting, joining, round_index)
-        stats.dropped = [r for r in range(self.replicas) if r not in committed.good]
-        # The other participants' payloads (the all-gather; headers are a few bytes).
-        stats.bytes_received = (len(committed.participants) - 1) * 4 * seat.numel
-        if not committed.good:
-            stats.skipped = True
-            return stats, committed
-        with stopwatch(stats, "merge_seconds", device):
-            hosted_per_worker = seat.replicas // seat.workers
-            arrived = self._quorum_contributions(committed, global_params, hosted_per_worker)
-            directions = self._merged(arrived, committed.good, committed.round,
-                                      committed.shares)
-            self.optimizer.apply(global_params, self._momentum_updates(directions))
-        return stats, committed
-
-    def _quorum_contributions(self, committed: CommittedSync,
-                              global_params: Mapping[str, torch.Tensor],
-                              hosted_per_worker: int) -> Contributions:
-        """The committed payloads as `_updates` takes them. Sums: each contributor is a
-        source that sent one sum per tensor, in rank order. Each Δ_r: one source holding
-        every replica's (this group has one rank), worker w's V payloads as replicas
-        wV … wV+V−1 (the layout); only the good ones are read."""
-        names = list(global_params)
-        shapes = [global_params[name].shape for name in names]
-        copies = 1 if self.route.sums else hosted_per_worker
-        received: list[dict[str, torch.Tensor]] = []  # rank order; each rank's copies in order
-        for payload in committed.payloads:
-            tensors = self.exchange.from_quorum_wire(payload, shapes * copies)
-            received += [dict(zip(names, tensors[copy * len(names):(copy + 1) * len(names)]))
-                         for copy in range(copies)]
-        if self.route.sums:
-            return {name: [[parts[name]] for parts in received] for name in names}
-        slots: list[dict[str, torch.Tensor]] = [{} for _ in range(self.replicas)]
-        for index, parts in enumerate(received):
-            rank, copy = committed.contributors[index // copies], index % copies
-            slots[rank * copies + copy] = parts
-        return {name: [[slot.get(name) for slot in slots]]  # type: ignore[misc]
-                for name in names}
 
     # -- what each rank contributes ------------------------------------------------------------
 
