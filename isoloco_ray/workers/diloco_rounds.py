@@ -13,39 +13,29 @@ from typing import Any
 import torch
 
 from isoloco_ray.data.format import DataError
-from isoloco_ray.workers.agreement import TrainingStopped, stop_if_any_rank_failed
+from isoloco_ray.workers.agreement import stop_if_any_rank_failed
 from isoloco_ray.workers.fragments import round_events
-from isoloco_ray.workers.outer.quorum_sync import QuorumSync
 from isoloco_ray.workers.outer.step import OuterStepStats, stopwatch
 from isoloco_ray.workers.overlap import Background
 from isoloco_ray.workers.quorum import CommittedSync
 from isoloco_ray.workers.round_parts import RoundParts
-from isoloco_ray.workers.straggler_deadline import StragglerDeadline
 
 
 class DiLoCoRounds:
     """Runs a worker's DiLoCo rounds on the Trainer's parts (round_parts.py). Holds no
-    checkpointed state: every sync has landed at a round's end, where checkpoints are taken."""
+    checkpointed state: every sync has landed at a round's end, where checkpoints are taken.
+    With a quorum seat the Trainer runs QuorumRounds (quorum_rounds.py) instead."""
 
     # Syncs started but not landed, by fragment (none at a round's end).
     in_flight: dict[int, Future[OuterStepStats] | OuterStepStats]
     background: Background | None  # the thread syncs run on with outer.delay
-    # With a quorum seat and scaling.straggler_deadline: when the inner steps stop (rebuilt
-    # from the syncs' measurements, not saved).
-    deadline: StragglerDeadline | None
+    committed: CommittedSync | None = None  # a quorum's sync: never here (QuorumRounds)
 
     def __init__(self, parts: RoundParts) -> None:
-        if parts.env.seat is not None and parts.cfg.outer.streaming:
-            raise ValueError("the quorum's outer step runs without outer.fragments, delay and "
-                             "mix: leave them at their defaults")
         self.parts = parts
         self.in_flight = {}
-        self.committed: CommittedSync | None = None  # with a quorum seat: the round's sync
         self.background = (Background(parts.env.device) if parts.cfg.outer.delay > 0
                            else None)
-        factor = parts.cfg.scaling.straggler_deadline
-        self.deadline = (StragglerDeadline(factor)
-                         if parts.env.seat is not None and factor is not None else None)
 
     def run_round(self, round_index: int) -> tuple[float, float, OuterStepStats]:
         """Round `round_index` + 1 (`round_index` rounds are done). Returns (sum of the finite
@@ -84,22 +74,18 @@ class DiLoCoRounds:
                 self._stop_if_any_failed(round_index, data_error)
         finally:
             self._wait_for_syncs()
-        if self.committed is not None:  # every contributing worker's, from the quorum
-            return self.committed.loss_sum, inner_seconds, stats
-        counted = parts.layout.position == 0
-        total = sum((loss for replica, loss in self._mean_losses(losses).items()
-                     if replica not in stats.dropped and counted), 0.0)
-        return total, inner_seconds, stats
+        return self._loss_sum(losses, stats), inner_seconds, stats
+
+    def _loss_sum(self, losses: dict[int, list[torch.Tensor]], stats: OuterStepStats) -> float:
+        """The sum of the finite replicas' mean losses on this rank, counted by the first
+        worker of each replica only."""
+        counted = self.parts.layout.position == 0
+        return sum((loss for replica, loss in self._mean_losses(losses).items()
+                    if replica not in stats.dropped and counted), 0.0)
 
     def _stop_if_any_failed(self, round_index: int, data_error: str | None) -> None:
-        """TrainingStopped on every worker, with one message, when any worker's data failed
-        this round: over the worker's ranks, or with a quorum seat over the round's quorum (the
-        failing worker's sync carries the message to the others' syncs)."""
-        env = self.parts.env
-        if env.seat is not None and data_error is not None:
-            reason = f"worker {env.rank} in round {round_index + 1}: {data_error}"
-            env.seat.sync(None, round_index=round_index, stopping=reason)  # raises everywhere
-            raise TrainingStopped(reason)
+        """TrainingStopped on every rank, with one message, when any rank's data failed this
+        round."""
         stop_if_any_rank_failed(data_error, round_index)
 
     def _mean_losses(self, losses: dict[int, list[torch.Tensor]]) -> dict[int, float]:
@@ -121,8 +107,7 @@ class DiLoCoRounds:
         stop together at the next check). Returns (seconds, the data error if any)."""
         parts = self.parts
         started = time.perf_counter()
-        deadlines = (self.deadline.round_deadlines(steps, len(parts.replicas))
-                     if self.deadline is not None else None)
+        deadlines = self._round_deadlines(steps)
         for turn, replica in enumerate(parts.replicas):
             if data_error is not None:
                 break
@@ -138,6 +123,11 @@ class DiLoCoRounds:
             if ends_round and parts.env.after_replica is not None:
                 parts.env.after_replica(round_index, replica.index)
         return time.perf_counter() - started, data_error
+
+    def _round_deadlines(self, steps: int) -> list[float] | None:
+        """When each hosted replica's inner steps stop this round: never here (a straggler
+        deadline needs a quorum: QuorumRounds)."""
+        return None
 
     def _after_step(self, round_index: int, replica: int, deadline: float | None
                     ) -> Callable[[], bool] | None:
@@ -179,31 +169,26 @@ class DiLoCoRounds:
         feedback = ({r.index: r.feedback for r in parts.replicas} if outer.error_feedback
                     else None)
         target = {name: parts.global_params[name] for name in names}
-        if parts.env.seat is not None:
-            assert isinstance(parts.outer, QuorumSync)
-            steps = {r.index: len(losses[r.index]) for r in parts.replicas}
-            started = time.perf_counter()
-            stats, committed = parts.outer.quorum_step(
-                target, deltas, sync_round, parts.env.seat, diverged, self._mean_losses(losses),
-                trained={r: taken / parts.cfg.inner.steps for r, taken in steps.items()},
-                step_seconds=inner_seconds / max(1, sum(steps.values())), feedback=feedback)
-            stats.wait_seconds = time.perf_counter() - started
-            self.committed = committed
-            if self.deadline is not None:
-                self.deadline.note(committed)
-            self.in_flight[fragment] = stats
-            return
+        self.in_flight[fragment] = self._sync(target, deltas, sync_round, diverged, feedback,
+                                              losses, inner_seconds)
+
+    def _sync(self, target: dict[str, torch.Tensor],
+              deltas: dict[int, dict[str, torch.Tensor]], sync_round: int, diverged: list[int],
+              feedback: dict[int, dict[str, torch.Tensor]] | None,
+              losses: dict[int, list[torch.Tensor]], inner_seconds: float
+              ) -> Future[OuterStepStats] | OuterStepStats:
+        """The outer step of the tensors `target`: done, or started in the background."""
+        parts = self.parts
 
         def step() -> OuterStepStats:
             return parts.outer.step(target, deltas, sync_round, diverged, feedback)
 
         if self.background is not None:
-            self.in_flight[fragment] = self.background.start(step)
-            return
+            return self.background.start(step)
         started = time.perf_counter()
         stats = step()
         stats.wait_seconds = time.perf_counter() - started  # training waited for all of it
-        self.in_flight[fragment] = stats
+        return stats
 
     def _finish_sync(self, fragment: int) -> OuterStepStats:
         """Land `fragment`'s sync: its global tensors hold the new values; each replica takes
@@ -234,21 +219,19 @@ class DiLoCoRounds:
                         if replica.index not in stats.dropped:
                             shard.share(shares, replica.feedback, parts.global_params)
             stats.wait_seconds += stats.comm_seconds - before  # training waits for it
-        # Healed in the sync: this worker fell behind (paused, slow) and the others went on.
-        # Its replicas go on as a replacement's do, from where the sync's round puts them (not
-        # this worker's own round before it was healed).
-        healed = self.committed is not None and self.committed.healed
+        self._land(fragment, stats)
+        return stats
+
+    def _land(self, fragment: int, stats: OuterStepStats) -> None:
+        """Each replica takes the new global values of `fragment` (mixed with its own by
+        outer.mix), or starts again from the global parameters if it was left out."""
+        parts = self.parts
         for replica in parts.replicas:
-            if healed:
-                assert self.committed is not None
-                replica.rejoin((self.committed.round + 1) * parts.cfg.inner.steps,
-                               parts.global_params)
-            elif replica.index in stats.dropped:
+            if replica.index in stats.dropped:
                 replica.reset(parts.global_params)
             else:
                 replica.take_global(parts.global_params, parts.fragments[fragment],
                                     parts.cfg.outer.mix)
-        return stats
 
     def _wait_for_syncs(self) -> None:
         """Let syncs still running end (the round stopped early: every rank started them, so
@@ -259,28 +242,8 @@ class DiLoCoRounds:
         self.in_flight.clear()
 
     def quorum_metrics(self) -> dict[str, Any]:
-        """With a quorum seat, who took part in the round's sync: the workers in its quorum,
-        those that brought a Δ, those that did not (`missing_workers`: lost, or just
-        healed; at the join before round 1, those not in it), the quorums it took (1 when
-        nobody failed), the seconds this worker waited for them and when it saw the sync
-        committed (a fault's stall is measured to it: benchmarks/soak.py), and the inner steps
-        each replica's Δ_r in the merge took (0: not in it; fewer than H, `round_steps`: a
-        straggler's partial round, which plain_loop.run_over_quorums replays): RoundMetrics' quorum
-        fields (a name that is not one is refused when the record is built)."""
-        if self.committed is None:
-            return {}
-        contributors = self.committed.contributors
-        present = contributors or self.committed.participants
-        steps = self.parts.cfg.inner.steps
-        return {"quorum": self.committed.participants, "contributors": contributors,
-                "missing_workers": [w for w in range(self.parts.env.world)
-                                    if w not in present],
-                "sync_attempts": self.committed.attempts,
-                "replica_steps": [round(self.committed.shares.get(r, 0.0) * steps)
-                                  for r in range(self.parts.cfg.scaling.replicas)],
-                "round_steps": steps,
-                "quorum_wait_seconds": self.committed.quorum_seconds,
-                "committed_at": self.committed.committed_at}
+        """Who took part in the round's sync: nothing to say without a quorum."""
+        return {}
 
     def save(self, directory: Path) -> None:
         """Nothing of its own to save: every sync has landed at a round's end."""

@@ -36,6 +36,7 @@ from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
 from isoloco_ray.workers.outer.quorum_sync import QuorumSync
 from isoloco_ray.workers.outer.step import OuterSync
+from isoloco_ray.workers.quorum_rounds import QuorumRounds
 from isoloco_ray.workers.replica import (
     Replica,
     load_parameters,
@@ -109,8 +110,8 @@ class Trainer:
                                          cfg.outer.fragments)
         parts = RoundParts(cfg, env, self.layout, self.model, self.runtime, self.global_params,
                            self.replicas, self.outer, self.fragments)
-        self.runner = (DiLoCoRounds(parts) if cfg.outer.has_outer_step
-                       else DataParallelRounds(parts))
+        self.runner = (DataParallelRounds(parts) if not cfg.outer.has_outer_step
+                       else DiLoCoRounds(parts) if env.seat is None else QuorumRounds(parts))
         self.round = 0
         self.initial_eval_loss = self.last_eval_loss = None
         self.train_seconds = self.first_round_seconds = 0.0
@@ -270,8 +271,8 @@ class Trainer:
         far (Replica.rejoin). The others record that round (CommittedSync.writer); if it is a
         checkpoint round this worker adds its replicas' files to the checkpoint, so that it is
         complete."""
-        assert self.env.seat is not None and isinstance(self.runner, DiLoCoRounds)
-        assert isinstance(self.outer, QuorumSync)
+        assert isinstance(self.runner, QuorumRounds) and isinstance(self.outer, QuorumSync)
+        assert self.env.seat is not None
         deadline = time.monotonic() + JOIN_WAIT_S
         while True:
             _, committed = self.outer.quorum_step(self.global_params, {}, self.round,
