@@ -34,9 +34,7 @@ from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
 from isoloco_ray.workers.fragments import split_fragments
 from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
-from isoloco_ray.workers.outer.quorum_sync import QuorumSync
 from isoloco_ray.workers.outer.step import OuterSync
-from isoloco_ray.workers.quorum_rounds import QuorumRounds
 from isoloco_ray.workers.replica import (
     Replica,
     load_parameters,
@@ -49,10 +47,6 @@ from isoloco_ray.workers.worker_env import WorkerEnv
 
 # A final eval loss within this many nats of ln V is no better than a uniform prediction.
 UNIFORM_MARGIN = 1e-3
-# With a quorum seat: how long the workers at a (re)start wait for each other before the
-# first round goes on with those there (the others join later), and how often they look.
-JOIN_WAIT_S = 60.0
-JOIN_POLL_S = 0.2
 
 
 class Trainer:
@@ -77,7 +71,6 @@ class Trainer:
     first_round_seconds: float
     bytes_total: int  # outer bytes the busiest rank received, summed over rounds
     bad_rounds: int  # consecutive rounds skipped because every replica diverged
-    joined: bool  # with a quorum seat: whether `join` ran (not state: each process joins)
 
     def __init__(self, cfg: TrainConfig, data: Path | Dataset, env: WorkerEnv) -> None:
         self.cfg = cfg
@@ -102,26 +95,33 @@ class Trainer:
                     keeps_params=cfg.outer.streaming)
             for r in self.layout.hosted
         ]
-        self.outer = (OuterSync(cfg.outer, cfg.scaling.replicas, cfg.run.seed,
-                                self.layout.sync_group, self.layout.workers_per_replica,
-                                self.layout.position) if env.seat is None
-                      else QuorumSync(cfg.outer, cfg.scaling.replicas, cfg.run.seed))
+        self.outer = self._outer_sync()
         self.fragments = split_fragments({n: p.shape for n, p in self.global_params.items()},
                                          cfg.outer.fragments)
         parts = RoundParts(cfg, env, self.layout, self.model, self.runtime, self.global_params,
                            self.replicas, self.outer, self.fragments)
-        self.runner = (DataParallelRounds(parts) if not cfg.outer.has_outer_step
-                       else DiLoCoRounds(parts) if env.seat is None else QuorumRounds(parts))
+        self.runner = self._round_runner(parts)
         self.round = 0
         self.initial_eval_loss = self.last_eval_loss = None
         self.train_seconds = self.first_round_seconds = 0.0
         self.bytes_total = 0
         self.bad_rounds = 0
-        self.joined = False
         self.eval_set = eval_sequences(self.dataset.split_files("valid"), cfg.data.seq_len,
                                        cfg.run.eval_tokens)
         if env.restore_from is not None:
             self.restore(env.restore_from)
+
+    def _outer_sync(self) -> OuterSync:
+        """The outer step over this worker's outer group."""
+        return OuterSync(self.cfg.outer, self.cfg.scaling.replicas, self.cfg.run.seed,
+                         self.layout.sync_group, self.layout.workers_per_replica,
+                         self.layout.position)
+
+    def _round_runner(self, parts: RoundParts) -> DiLoCoRounds | DataParallelRounds:
+        """What runs a round: DiLoCo's, or adamw_ddp's data-parallel steps."""
+        if not self.cfg.outer.has_outer_step:
+            return DataParallelRounds(parts)
+        return DiLoCoRounds(parts)
 
     def _replicas_in_model(self) -> bool:
         """Whether the hosted replicas' parameters can live in the model module: for the only
@@ -145,12 +145,13 @@ class Trainer:
 
     def writes_run_files(self) -> bool:
         """Whether this worker writes what every worker holds alike (a checkpoint's shared
-        files, the model, the run's progress): rank 0, or with a quorum seat the last sync's
-        writer (CommittedSync.writer: rank 0 may be gone)."""
-        if self.env.seat is None:
-            return self.env.rank == 0
-        committed = self.runner.committed
-        return committed is not None and committed.writer == self.env.rank
+        files, the model, the run's progress): rank 0."""
+        return self.env.rank == 0
+
+    def _saves_momentum(self) -> bool:
+        """Whether this rank saves outer momentum: in each of the G outer groups, rank 0 when
+        every rank holds its position's, else each owner its share."""
+        return self.outer.rank == 0 or not self.outer.route.everyone_merges
 
     def save(self, directory: Path, record: Metrics | None = None) -> None:
         """Write this rank's part of a checkpoint of the state after `self.round` rounds;
@@ -161,11 +162,7 @@ class Trainer:
                                    {**self.counters(), "config": self.cfg.model_dump(mode="json"),
                                     "record": record})
             self.runner.save(directory)
-        # A seated worker's outer group is itself alone: the writer saves the momentum (every
-        # worker holds all of it); otherwise, in each of the G outer groups, rank 0 when every
-        # rank holds its position's, else each owner its share.
-        if (writer if self.env.seat is not None
-                else self.outer.rank == 0 or not self.outer.route.everyone_merges):
+        if self._saves_momentum():
             checkpoint.save_outer_momentum(directory, self.outer.momentum_file,
                                            self.outer.state_dict()["buffers"])
         if not self.layout.saves_replicas:
@@ -208,8 +205,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Validation loss of the global parameters."""
         load_parameters(self.model, self.global_params)
-        # With a quorum seat each worker scores the whole set: its peers may be gone.
-        rank, world = (0, 1) if self.env.seat is not None else (self.env.rank, self.env.world)
+        rank, world = self._collective_share()
         loss = evaluate(self.runtime, self.eval_set, rank, world,
                         self.cfg.resolved.micro_batch_size)
         if not math.isfinite(loss):  # the same on every rank: the loss is all-reduced
@@ -218,13 +214,20 @@ class Trainer:
                 "holds the last good state: lower inner.lr or outer.lr and start a new run")
         return loss
 
+    def _collective_share(self) -> tuple[int, int]:
+        """(rank, world) of this worker in the collectives of evaluation (each rank scores its
+        share of the eval set) and of the checkpoint check."""
+        return self.env.rank, self.env.world
+
+    def _before_rounds(self) -> None:
+        """What a worker does before its first round (nothing here: a seated one joins)."""
+
     def run(self) -> Metrics:
         """Train until cfg.run.rounds rounds are done; returns the final metrics (every rank),
         or {"error": why, "rounds": done} when the run had to stop (TrainingStopped)."""
         env = self.env
         try:
-            if env.seat is not None and not self.joined:
-                self.join()
+            self._before_rounds()
             if self.initial_eval_loss is None:
                 self.initial_eval_loss = self.last_eval_loss = self.evaluate()
                 env.report(RoundMetrics(round=0, tokens=0, eval_loss=self.initial_eval_loss,
@@ -241,58 +244,6 @@ class Trainer:
             self.runner.close()
         load_parameters(self.model, self.global_params)
         return self.summary()
-
-    # -- a quorum seat (replica-group fault tolerance) ------------------------------------------
-
-    def quorum_state(self) -> dict[str, Any]:
-        """What a peer that fell behind takes from this worker when torchft heals it: θ, the
-        outer optimizer's state and the run's counters (replicas are not sent: `join`)."""
-        return {"global": self.global_params, "outer": self.outer.state_dict(),
-                "counters": self.counters()}
-
-    def load_quorum_state(self, state: dict[str, Any]) -> None:
-        """Take a peer's `quorum_state`, θ copied into this worker's own tensors."""
-        with torch.no_grad():
-            for name, tensor in self.global_params.items():
-                tensor.copy_(state["global"][name])
-        self.outer.load_state_dict(state["outer"], {n: t.shape for n, t in
-                                                    self.global_params.items()}, self.fragments)
-        self.set_counters(state["counters"])
-
-    def join(self) -> bool:
-        """A worker's first sync, with no Δ; returns whether the run is starting here (every
-        worker in the sync is new: resume from storage, if at all, now).
-
-        At a (re)start every worker's: repeated, for up to JOIN_WAIT_S, until every worker is
-        in it, so that all take the first round (quorum.py: the repeats apply nothing). For a
-        worker that replaces a lost one (or starts late), the others' next sync, where it is
-        healed (`load_quorum_state`, their state before that sync) and applies the committed
-        update with them; its replicas then go on from θ as if they had taken the rounds so
-        far (Replica.rejoin). The others record that round (CommittedSync.writer); if it is a
-        checkpoint round this worker adds its replicas' files to the checkpoint, so that it is
-        complete."""
-        assert isinstance(self.runner, QuorumRounds) and isinstance(self.outer, QuorumSync)
-        assert self.env.seat is not None
-        deadline = time.monotonic() + JOIN_WAIT_S
-        while True:
-            _, committed = self.outer.quorum_step(self.global_params, {}, self.round,
-                                                  self.env.seat, joining=True,
-                                                  waiting=time.monotonic() < deadline)
-            if not committed.again:
-                break
-            time.sleep(JOIN_POLL_S)
-        self.joined = True
-        self.runner.committed = committed
-        if committed.round_taken:  # the others' round, completed here too
-            self.round = committed.round + 1
-        if committed.round_taken or committed.healed:
-            for replica in self.replicas:
-                replica.rejoin(self.round * self.cfg.inner.steps, self.global_params)
-        if committed.round_taken and self._checkpoint_round():
-            with tempfile.TemporaryDirectory() as directory:
-                self.save(Path(directory))  # its replicas' files: it is not the writer
-                self.env.report({"round": self.round}, Path(directory), False)
-        return not (committed.healed or committed.round_taken)
 
     def _checkpoint_round(self) -> bool:
         """Whether a checkpoint is taken after round `self.round`."""
@@ -325,7 +276,7 @@ class Trainer:
             metrics = round_metrics(cfg, self.round, loss_sum, seconds, inner_seconds, stats,
                                     env.device)
             self.bytes_total += metrics.outer_bytes_received or 0  # the busiest rank's
-            # With a seat: who took part.
+            # Over a quorum: who took part (QuorumRounds).
             metrics = replace(metrics, **self.runner.quorum_metrics())
             saving = self._checkpoint_round()
             agreement = check_workers_agree(self.global_params, self.round, full=saving)
@@ -340,10 +291,9 @@ class Trainer:
             if saving:
                 with tempfile.TemporaryDirectory() as directory:
                     self.save(Path(directory), metrics.as_dict())
-                    # With a seat each worker checks its own files (no world collective).
                     stop_unless_checkpoint_fits(Path(directory), self.round,
-                                                0 if env.seat is not None else env.rank,
-                                                env.device, env.checkpoint_room)
+                                                self._collective_share()[0], env.device,
+                                                env.checkpoint_room)
                     env.report(metrics.as_dict(), Path(directory), self.writes_run_files())
             else:
                 env.report(metrics.as_dict(), None, self.writes_run_files())

@@ -99,7 +99,7 @@ class CommittedSync:
     attempts: int  # quorums it took (1 when nobody failed)
     # The round every participant is at once healed: the sync's.
     round: int = 0
-    # Participants syncing from Trainer.join: they took no inner steps of the round (a
+    # Participants syncing from SeatedTrainer.join: they took no inner steps of the round (a
     # replacement, or every worker at a start) and do not record it.
     joining: list[int] = field(default_factory=list)
     quorum_seconds: float = 0.0  # waiting for the quorums (and healing), all attempts
@@ -188,7 +188,7 @@ class QuorumSeat:
         `stopping`: why this worker stops the run (a data error): every participant then
         raises TrainingStopped with the lowest such worker's reason (as the workers of
         `restart` mode stop together), and nothing is committed;
-        `joining`: this worker syncs from Trainer.join (it took none of the round's steps);
+        `joining`: this worker syncs from SeatedTrainer.join (it took none of the round's steps);
         `waiting`: this worker, joining, would rather sync again once the workers missing
         are there (CommittedSync.again: every participant would, and some are missing). Raises
         QuorumError after `max_attempts` quorums that could not commit, and torchft's

@@ -20,7 +20,7 @@ Ray Train restarts the whole group, which this mode exists to avoid). Instead:
 
 A worker replacing a lost one reads nothing from storage: it is healed by its peers in its
 first sync (θ, outer optimizer, counters; quorum.py says why it always is) and its replicas go
-on from there (Trainer.join). Only workers that start the run together resume it from the
+on from there (SeatedTrainer.join). Only workers that start the run together resume it from the
 newest checkpoint. If the run ends before it gets a quorum, it waits at most
 its quorum timeout, then returns. A worker still running `END_GRACE_S` after the run's result
 was written (one that hangs alive) exits: Ray Train waits for every worker before it ends a
@@ -51,6 +51,7 @@ from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.agreement import TrainingStopped
 from isoloco_ray.workers.export import export_into_summary
 from isoloco_ray.workers.loop import Trainer
+from isoloco_ray.workers.seated_trainer import SeatedTrainer
 from isoloco_ray.workers.model import parameter_shapes
 from isoloco_ray.workers.outer.quorum_sync import quorum_numel
 from isoloco_ray.workers.quorum import QuorumSeat
@@ -64,11 +65,11 @@ END_POLL_S = 1.0
 
 def seated_trainer(cfg: TrainConfig, data: Path | Dataset, env: WorkerEnv, lighthouse: str, *,
                    timeout: timedelta, quorum_timeout: timedelta,
-                   host: str = "127.0.0.1") -> Trainer:
+                   host: str = "127.0.0.1") -> SeatedTrainer:
     """Worker `env.rank`'s Trainer with a quorum seat (env.seat is replaced) through which a
     peer that fell behind is healed: the seat's state callbacks are this Trainer's. The
     timeouts are the run's (fault_tolerance.timeouts)."""
-    holder: dict[str, Trainer] = {}
+    holder: dict[str, SeatedTrainer] = {}
     dataset = Dataset.open(data)
     shapes = parameter_shapes(cfg.model, dataset.meta.vocab_size).values()
     numel = quorum_numel(cfg.outer.quorum_outer(), [torch.Size(shape) for shape in shapes],
@@ -83,7 +84,7 @@ def seated_trainer(cfg: TrainConfig, data: Path | Dataset, env: WorkerEnv, light
                           holder["trainer"].global_params),
                       current_round=lambda: holder["trainer"].round)
     try:
-        holder["trainer"] = Trainer(cfg, dataset, replace(env, seat=seat))
+        holder["trainer"] = SeatedTrainer(cfg, dataset, replace(env, seat=seat))
     except BaseException:
         seat.shutdown()
         raise
