@@ -1,12 +1,12 @@
-"""One DiLoCo round of a worker: H inner steps on every hosted replica, and the outer syncs of
-the round's fragments (fragments.round_events; with one fragment and no delay, the outer step
-at the end), started at once or in the background (outer.delay) and landed into the replicas."""
+"""One DiLoCo round of a worker: H inner steps on every hosted replica, then the outer step of
+every tensor, landed into the replicas. Streaming (outer.fragments, delay, mix) runs these
+rounds' steps in another order (streaming_rounds.py); over a quorum their sync goes through the
+worker's seat (quorum_rounds.py)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -14,66 +14,36 @@ import torch
 
 from isoloco_ray.data.format import DataError
 from isoloco_ray.workers.agreement import stop_if_any_rank_failed
-from isoloco_ray.workers.fragments import round_events
 from isoloco_ray.workers.outer.step import OuterStepStats, stopwatch
-from isoloco_ray.workers.overlap import Background
 from isoloco_ray.workers.quorum import CommittedSync
 from isoloco_ray.workers.round_parts import RoundParts
+
+# The hosted replicas' Δ_r of one fragment, as an outer step takes them: the global tensors it
+# updates, each replica's Δ_r, the replicas that diverged, their error-feedback residuals.
+OuterInputs = tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]], list[int],
+                    dict[int, dict[str, torch.Tensor]] | None]
 
 
 class DiLoCoRounds:
     """Runs a worker's DiLoCo rounds on the Trainer's parts (round_parts.py). Holds no
-    checkpointed state: every sync has landed at a round's end, where checkpoints are taken.
-    With a quorum seat the Trainer runs QuorumRounds (quorum_rounds.py) instead."""
+    checkpointed state: every sync has landed at a round's end, where checkpoints are taken."""
 
-    # Syncs started but not landed, by fragment (none at a round's end).
-    in_flight: dict[int, Future[OuterStepStats] | OuterStepStats]
-    background: Background | None  # the thread syncs run on with outer.delay
     committed: CommittedSync | None = None  # a quorum's sync: never here (QuorumRounds)
 
     def __init__(self, parts: RoundParts) -> None:
         self.parts = parts
-        self.in_flight = {}
-        self.background = (Background(parts.env.device) if parts.cfg.outer.delay > 0
-                           else None)
 
     def run_round(self, round_index: int) -> tuple[float, float, OuterStepStats]:
         """Round `round_index` + 1 (`round_index` rounds are done). Returns (sum of the finite
         replicas' mean losses on this rank, counted by the first worker of each replica only,
-        inner seconds, the round's syncs' stats together)."""
+        inner seconds, the round's sync's stats)."""
         parts = self.parts
-        cfg = parts.cfg
-        steps = cfg.inner.steps
-        stats = OuterStepStats()
         losses: dict[int, list[torch.Tensor]] = {r.index: [] for r in parts.replicas}
-        inner_seconds, done, checked = 0.0, 0, False
-        data_error = None
-        try:
-            for event in round_events(round_index, cfg.resolved.rounds, steps,
-                                      cfg.outer.fragments, cfg.outer.delay):
-                if event.step > done:
-                    seconds, data_error = self._inner_steps(round_index, event.step - done,
-                                                            losses, event.step == steps,
-                                                            data_error)
-                    inner_seconds += seconds
-                    done, checked = event.step, False
-                if event.starts:
-                    # Every rank stops together before a sync when any rank's data failed.
-                    self._stop_if_any_failed(round_index, data_error)
-                    checked = True
-                    self._start_sync(event.fragment, event.sync_round, losses,
-                                     inner_seconds)
-                else:
-                    stats.add(self._finish_sync(event.fragment))
-            if done < steps:
-                seconds, data_error = self._inner_steps(round_index, steps - done, losses, True,
-                                                        data_error)
-                inner_seconds += seconds
-                checked = False
-            if not checked:
-                self._stop_if_any_failed(round_index, data_error)
-        finally:
-            self._wait_for_syncs()
+        inner_seconds, data_error = self._inner_steps(round_index, parts.cfg.inner.steps,
+                                                      losses, True, None)
+        self._stop_if_any_failed(round_index, data_error)  # every rank, before the sync
+        inputs = self._outer_inputs(0, in_place=True)
+        stats = self._finish(0, self._sync(*inputs, round_index, losses, inner_seconds))
         return self._loss_sum(losses, stats), inner_seconds, stats
 
     def _loss_sum(self, losses: dict[int, list[torch.Tensor]], stats: OuterStepStats) -> float:
@@ -149,60 +119,36 @@ class DiLoCoRounds:
 
         return after_step
 
-    def _start_sync(self, fragment: int, sync_round: int,
-                    losses: dict[int, list[torch.Tensor]], inner_seconds: float) -> None:
-        """Take the hosted replicas' Δ_r of `fragment` and start its outer step: at once, or
-        in the background with outer.delay, or over the round's quorum (`losses`: each hosted
-        replica's inner losses this round, for the quorum's loss sum and the share of the
-        round each took, whose `inner_seconds` this worker's header carries per step)."""
+    def _outer_inputs(self, fragment: int, in_place: bool) -> OuterInputs:
+        """Take the hosted replicas' Δ_r of `fragment` (`in_place`: in θ_r's storage, which
+        the global values replace right after the step)."""
         parts = self.parts
-        outer = parts.cfg.outer
         names = parts.fragments[fragment]
         diverged = [r.index for r in parts.replicas if not r.losses_finite]
         for replica in parts.replicas:
             replica.losses_finite = True
-        # Without delay or mix, θ_r of the fragment is replaced by the global one right after
-        # the step: its storage can hold Δ_r meanwhile.
-        in_place = outer.delay == 0 and outer.mix == 0
         deltas = {r.index: r.pseudo_gradient(parts.global_params, names, in_place)
                   for r in parts.replicas}
-        feedback = ({r.index: r.feedback for r in parts.replicas} if outer.error_feedback
-                    else None)
+        feedback = ({r.index: r.feedback for r in parts.replicas}
+                    if parts.cfg.outer.error_feedback else None)
         target = {name: parts.global_params[name] for name in names}
-        self.in_flight[fragment] = self._sync(target, deltas, sync_round, diverged, feedback,
-                                              losses, inner_seconds)
+        return target, deltas, diverged, feedback
 
     def _sync(self, target: dict[str, torch.Tensor],
-              deltas: dict[int, dict[str, torch.Tensor]], sync_round: int, diverged: list[int],
-              feedback: dict[int, dict[str, torch.Tensor]] | None,
-              losses: dict[int, list[torch.Tensor]], inner_seconds: float
-              ) -> Future[OuterStepStats] | OuterStepStats:
-        """The outer step of the tensors `target`: done, or started in the background."""
-        parts = self.parts
-
-        def step() -> OuterStepStats:
-            return parts.outer.step(target, deltas, sync_round, diverged, feedback)
-
-        if self.background is not None:
-            return self.background.start(step)
+              deltas: dict[int, dict[str, torch.Tensor]], diverged: list[int],
+              feedback: dict[int, dict[str, torch.Tensor]] | None, sync_round: int,
+              losses: dict[int, list[torch.Tensor]], inner_seconds: float) -> OuterStepStats:
+        """The outer step of the tensors `target` (the training thread waits for all of it;
+        `losses` and `inner_seconds` are the quorum's: QuorumRounds)."""
         started = time.perf_counter()
-        stats = step()
-        stats.wait_seconds = time.perf_counter() - started  # training waited for all of it
+        stats = self.parts.outer.step(target, deltas, sync_round, diverged, feedback)
+        stats.wait_seconds = time.perf_counter() - started
         return stats
 
-    def _finish_sync(self, fragment: int) -> OuterStepStats:
-        """Land `fragment`'s sync: its global tensors hold the new values; each replica takes
-        them (mixed with its own by outer.mix), or starts again from the global parameters if
-        it was left out."""
+    def _finish(self, fragment: int, stats: OuterStepStats) -> OuterStepStats:
+        """Land `fragment`'s sync: its global tensors hold the new values (with G workers per
+        replica, shared among them first); each replica takes them (`_land`)."""
         parts = self.parts
-        pending = self.in_flight.pop(fragment)
-        if isinstance(pending, Future):
-            assert self.background is not None
-            waiting = time.perf_counter()
-            stats = self.background.finish(pending)
-            stats.wait_seconds = time.perf_counter() - waiting
-        else:
-            stats = pending
         shard = parts.layout.shard
         if shard is not None and not stats.skipped:
             # Each position stepped its share of the fragment's tensors (outer/step.py): here,
@@ -233,14 +179,6 @@ class DiLoCoRounds:
                 replica.take_global(parts.global_params, parts.fragments[fragment],
                                     parts.cfg.outer.mix)
 
-    def _wait_for_syncs(self) -> None:
-        """Let syncs still running end (the round stopped early: every rank started them, so
-        they complete), without landing them."""
-        for pending in self.in_flight.values():
-            if isinstance(pending, Future):
-                pending.exception()
-        self.in_flight.clear()
-
     def quorum_metrics(self) -> dict[str, Any]:
         """Who took part in the round's sync: nothing to say without a quorum."""
         return {}
@@ -252,6 +190,4 @@ class DiLoCoRounds:
         """Nothing of its own to restore (see `save`)."""
 
     def close(self) -> None:
-        """Stop the background thread, if any."""
-        if self.background is not None:
-            self.background.close()
+        """Nothing to stop (a streaming run's background thread: StreamingRounds)."""

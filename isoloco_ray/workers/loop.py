@@ -43,6 +43,7 @@ from isoloco_ray.workers.replica import (
 )
 from isoloco_ray.workers.round_metrics import Metrics, round_metrics
 from isoloco_ray.workers.round_parts import RoundParts
+from isoloco_ray.workers.streaming_rounds import StreamingRounds
 from isoloco_ray.workers.worker_env import WorkerEnv
 
 # A final eval loss within this many nats of ln V is no better than a uniform prediction.
@@ -118,10 +119,11 @@ class Trainer:
                          self.layout.position)
 
     def _round_runner(self, parts: RoundParts) -> DiLoCoRounds | DataParallelRounds:
-        """What runs a round: DiLoCo's, or adamw_ddp's data-parallel steps."""
+        """What runs a round: DiLoCo's (streaming ones with outer.fragments, delay or mix), or
+        adamw_ddp's data-parallel steps."""
         if not self.cfg.outer.has_outer_step:
             return DataParallelRounds(parts)
-        return DiLoCoRounds(parts)
+        return StreamingRounds(parts) if self.cfg.outer.streaming else DiLoCoRounds(parts)
 
     def _replicas_in_model(self) -> bool:
         """Whether the hosted replicas' parameters can live in the model module: for the only

@@ -7,7 +7,6 @@ rounds when its worker has a seat; the plain rounds know nothing of quorums."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -61,10 +60,9 @@ class QuorumRounds(DiLoCoRounds):
         return self.deadline.round_deadlines(steps, len(self.parts.replicas))
 
     def _sync(self, target: dict[str, torch.Tensor],
-              deltas: dict[int, dict[str, torch.Tensor]], sync_round: int, diverged: list[int],
-              feedback: dict[int, dict[str, torch.Tensor]] | None,
-              losses: dict[int, list[torch.Tensor]], inner_seconds: float
-              ) -> Future[OuterStepStats] | OuterStepStats:
+              deltas: dict[int, dict[str, torch.Tensor]], diverged: list[int],
+              feedback: dict[int, dict[str, torch.Tensor]] | None, sync_round: int,
+              losses: dict[int, list[torch.Tensor]], inner_seconds: float) -> OuterStepStats:
         """The round's outer step over its quorum (`losses`: each hosted replica's inner losses
         this round, for the quorum's loss sum and the share of the round each took, whose
         `inner_seconds` this worker's header carries per step)."""
