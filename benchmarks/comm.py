@@ -25,7 +25,7 @@ they are reported as multiples of P, the model's float32 bytes, and scaled to th
 The baseline is the naive all-gather of every replica's Δ to every rank: (W-1)·L·P.
 
 Part 2 times, in one process on the real 178M shapes at W = 4, the merge and outer
-update (`OuterSync._updates`, momentum included) of the tensors each rank owns:
+update (`OuterSync._merged`, then the momentum) of the tensors each rank owns:
 replicated, every rank all of them; rank0, rank 0 all and the others none; sharded, each
 rank its `OuterPlan` share. Summing or pruning the hosted Δ_r and applying the updates
 are the same on every rank under every placement: they are shown apart. The Δ_r are

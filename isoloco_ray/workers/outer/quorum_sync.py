@@ -104,7 +104,7 @@ class QuorumSync(OuterSync):
     def _quorum_contributions(self, committed: CommittedSync,
                               global_params: Mapping[str, torch.Tensor],
                               hosted_per_worker: int) -> Contributions:
-        """The committed payloads as `_updates` takes them. Sums: each contributor is a
+        """The committed payloads as `_merged` takes them. Sums: each contributor is a
         source that sent one sum per tensor, in rank order. Each Δ_r: one source holding
         every replica's (this group has one rank), worker w's V payloads as replicas
         wV … wV+V−1 (the layout); only the good ones are read."""
