@@ -44,6 +44,11 @@ class MergeOptions(BaseModel):
         return self
 
 
+def have_no_effect(settings: list[str]) -> str:
+    """'a has no effect', 'a, b have no effect' (the config's messages for inert settings)."""
+    return f"{', '.join(settings)} {'has' if len(settings) == 1 else 'have'} no effect"
+
+
 def _named(info: ValidationInfo, *names: str) -> tuple[str, ...]:
     """The settings as the caller spells them (`outer.sparsity` in a config)."""
     prefix = (info.context or {}).get("prefix", "")
@@ -104,9 +109,9 @@ class TiesOptions(MergeOptions):
                  if getattr(self, key) != getattr(defaults, key)]
         if inert:
             (sparsity,) = _named(info, "sparsity")
-            raise ValueError(f"{', '.join(inert)} {'has' if len(inert) == 1 else 'have'} no "
-                             f"effect with {sparsity}=0 (every entry is kept); set {sparsity} "
-                             f"> 0 or remove {'it' if len(inert) == 1 else 'them'}")
+            raise ValueError(f"{have_no_effect(inert)} with {sparsity}=0 (every entry is "
+                             f"kept); set {sparsity} > 0 or remove "
+                             f"{'it' if len(inert) == 1 else 'them'}")
         return self
 
 
@@ -150,11 +155,6 @@ class MergeSpec:
     of_mean: bool  # a function of the replicas' mean alone: their sum is all it needs
     options: type[MergeOptions] = NoOptions
     factored_inputs: str = "none"  # what a spectral merge factors: "mean" (one) or "each" (R)
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """Every option it takes with its default (None: the merge decides, e.g. 1/R)."""
-        return self.options().model_dump()
 
 
 _MERGE = "isoloco_ray.aggregators.merge"

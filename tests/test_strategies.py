@@ -262,6 +262,13 @@ def test_every_merge_names_an_implementation_that_loads(monkeypatch):
                                          r"'[\w.]+:no_such_function' \(strategies.MERGES\) "
                                          r"cannot be loaded"):
         aggregators.merge("unwritten", [torch.zeros(2, 2)])
+    # An elementwise function named for a spectral merge: refused when it is loaded (at the
+    # outer sync's start in a run).
+    monkeypatch.setitem(MERGES, "wrong_kind", MergeSpec(
+        "wrong_kind", f"{__name__}:scaled_mean", spectral=True, of_mean=True))
+    with pytest.raises(ValueError, match=r"^merge 'wrong_kind': '[\w.]+:scaled_mean' must take "
+                                         r"2 arguments, as a spectral merge does"):
+        implementation("wrong_kind")
 
 
 def test_an_unknown_merge_or_wire_format_is_refused_by_name():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -78,6 +79,11 @@ def implementation(strategy: str) -> Callable[..., Tensor]:
                          f"cannot be loaded: {exc}") from None
     if not callable(function):
         raise ValueError(f"merge {strategy!r}: {path!r} is not a function")
+    # Spectral: (stacks, options); elementwise: (deltas, options, generators).
+    kind, arguments = ("spectral", 2) if MERGES[strategy].spectral else ("elementwise", 3)
+    if len(inspect.signature(function).parameters) != arguments:
+        raise ValueError(f"merge {strategy!r}: {path!r} must take {arguments} arguments, as a "
+                         f"{kind} merge does (strategies.MergeSpec.implementation)")
     return function
 
 
@@ -112,10 +118,10 @@ def resolve_options(strategy: str, options: Mapping[str, Any]) -> dict[str, Any]
         if opts["prune"] == "random" and generator is None:
             raise ValueError(f"strategy {strategy!r} with prune 'random' needs a generator "
                              "(a seeded torch.Generator, or one per replica)")
-        if generator is not None and not isinstance(generator, torch.Generator | Sequence):
-            check_generator("generator", generator)
-        for g in [generator] if isinstance(generator, torch.Generator | None) else generator:
-            if g is not None:
+        if generator is not None:
+            if not isinstance(generator, torch.Generator | Sequence):
+                check_generator("generator", generator)
+            for g in [generator] if isinstance(generator, torch.Generator) else generator:
                 check_generator("generator", g)
         opts["generator"] = generator
     return opts

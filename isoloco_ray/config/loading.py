@@ -150,7 +150,7 @@ def _strategy_option_flags(args: list[str]) -> tuple[list[str], dict[str, Any]]:
     """`args` without the strategy options' flags (`--outer.sparsity=0.2` or `--outer.sparsity
     0.2`), and those options' values as given (text; "unset" spellings as None), which the
     strategy's options model checks. pydantic-settings knows only OuterConfig's own fields."""
-    options = {path.removeprefix("outer."): path for path in strategy_option_paths()}
+    options = {path.removeprefix("outer.") for path in strategy_option_paths()}
     rest: list[str] = []
     given: dict[str, Any] = {}
     i = 0

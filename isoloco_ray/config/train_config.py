@@ -21,6 +21,7 @@ from isoloco_ray.strategies import (
     WIRE_FORMATS,
     OuterMerge,
     Route,
+    have_no_effect,
 )
 
 
@@ -103,7 +104,7 @@ class TrainConfig(Section):
                      (("comm_dtype", "float32"), ("topk", None), ("placement", "sharded"))
                      if getattr(outer, name) != harmless]
             if inert:
-                raise ValueError(f"{_have_no_effect(inert)} with adamw_ddp (it has no outer "
+                raise ValueError(f"{have_no_effect(inert)} with adamw_ddp (it has no outer "
                                  "sync: its gradients are all-reduced in float32 every inner "
                                  f"step); remove {'it' if len(inert) == 1 else 'them'}")
             return
@@ -181,8 +182,3 @@ class TrainConfig(Section):
         """Training tokens consumed by all replicas in one outer round."""
         return (self.data.batch_size * self.data.seq_len * self.inner.steps
                 * self.scaling.replicas)
-
-
-def _have_no_effect(settings: list[str]) -> str:
-    """'a has no effect', 'a, b have no effect'."""
-    return f"{', '.join(settings)} {'has' if len(settings) == 1 else 'have'} no effect"

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from isoloco_ray import aggregators
+from isoloco_ray.aggregators.merge import implementation
 from isoloco_ray.config import OuterConfig, settled
 from isoloco_ray.strategies import OuterMerge, Route
 from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
@@ -109,6 +110,7 @@ class OuterSync:
         self.hosted_per_rank = replicas // self.ranks
         self.resolved = OuterMerge.of(outer)
         self.merge = self.resolved.merge
+        implementation(self.merge)  # a merge that cannot load fails here, not at round 1's end
         self.mean_only = self.resolved.of_mean  # the merge needs only the mean of the Δ_r
         self.route = Route.choose(outer, self.resolved)  # chosen once: strategies.Route
         self.exchange = Exchange.choose(outer, self.resolved, self.route, seed, group)
