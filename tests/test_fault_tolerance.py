@@ -161,7 +161,7 @@ def test_a_checkpoint_folder_planted_as_a_link_during_a_run_stops_it_with_one_li
     linked = run_dir / "ftcheckpoint_000010"
     linked.symlink_to(elsewhere, target_is_directory=True)
     with pytest.raises(TrainingStopped, match=f"^{linked} is a symbolic link"):
-        QuorumReports(run_dir, None, keep=2, replicas=1)({"round": 10}, files, False)
+        QuorumReports(run_dir, None, keep=2)({"round": 10}, files, False)
     assert list(elsewhere.iterdir()) == []
 
 
@@ -317,7 +317,8 @@ def test_checkpoint_retention_keeps_the_newest_complete_one_and_a_resume_drops_n
         directory = tmp_path / run_files.FT_CHECKPOINT.format(round=round_index)
         directory.mkdir()
         (directory / checkpoint.STATE_FILE).write_text(json.dumps({
-            "config": {"scaling": {"replicas": 3, "replicas_per_worker": 1}},
+            "config": {"scaling": {"replicas": 3, "replicas_per_worker": 1},
+                       "outer": {"strategy": "diloco"}},
             "record": {"round": round_index, "missing_workers": missing_workers}}))
         for name in [checkpoint.GLOBAL_FILE, *(checkpoint.replica_file(r) for r in replicas)]:
             (directory / name).write_bytes(b"")
@@ -330,7 +331,7 @@ def test_checkpoint_retention_keeps_the_newest_complete_one_and_a_resume_drops_n
     stored(15, range(2), [2])  # worker 2 missed the round: complete without replica 2
     for round_index in (20, 25):
         stored(round_index, range(2), [])  # worker 2 took the round: its file is needed
-    QuorumReports(tmp_path, None, keep=2, replicas=3)._prune()
+    QuorumReports(tmp_path, None, keep=2)._prune()
     assert rounds() == ["ftcheckpoint_000015", "ftcheckpoint_000020", "ftcheckpoint_000025"]
     drop_newer_checkpoints(tmp_path, str(tmp_path / "ftcheckpoint_000015"))
     assert rounds() == ["ftcheckpoint_000015"]

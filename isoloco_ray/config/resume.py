@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from isoloco_ray.config.train_config import TrainConfig
+from isoloco_ray.strategies import strategy_options
 
 # What a resumed run must share with the run that wrote its checkpoint: these define the math.
 RESUME_MUST_MATCH = ("model", "data", "scaling", "inner", "outer")
@@ -17,8 +18,10 @@ def config_differences(saved: dict[str, Any], current: TrainConfig) -> list[str]
     that a resumed run must not change."""
     now = current.model_dump(mode="json")
     # A setting added since the checkpoint was written is missing from it: the run had its
-    # default then.
+    # default then (a strategy's option: that of its options model, for the run's R).
     defaults = TrainConfig.model_construct().model_dump(mode="json")
+    defaults["outer"].update(strategy_options(current.outer.strategy, {},
+                                              current.scaling.replicas))
     differing = [f"{section}.{key}" for section in RESUME_MUST_MATCH for key in now[section]
                  if saved.get(section, {}).get(key, defaults[section].get(key))
                  != now[section][key]

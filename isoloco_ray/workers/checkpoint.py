@@ -1,4 +1,6 @@
 """Checkpoints of a run: everything its future depends on, in formats that never unpickle.
+The files' formats and the checks of a checkpoint read back; what goes into which file and
+which worker writes it: checkpoint_manager.py.
 
 A checkpoint is one directory, written by every worker (Ray Train merges the workers' files):
 
@@ -6,7 +8,7 @@ A checkpoint is one directory, written by every worker (Ray Train merges the wor
     global.safetensors         θ_t, the global parameters (rank 0)
     outer_NNNN.safetensors     outer momentum buffers, if any, by the outer-group rank that
                                holds them (docs/design.md: the owner of each tensor); NNNN =
-                               that rank · G + its position within its replica
+                               the writer's rank
     replica_NNNN.pt            replica NNNN's AdamW state, LR schedule and stream position
                                (its host; loaded with torch.load(weights_only=True))
     data_parallel.pt           adamw_ddp only: its one AdamW state and LR schedule (rank 0)
@@ -37,7 +39,7 @@ import pickle
 import posixpath
 import re
 import zipfile
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +142,8 @@ def parameters_checksum(params: Mapping[str, torch.Tensor]) -> str:
 
 
 def outer_file(shard: int) -> str:
-    """File name of the outer momentum buffers one outer-group rank holds (`shard`: its
-    OuterSync.momentum_file, unique among the G outer groups' ranks)."""
+    """File name of the outer momentum buffers one outer-group rank holds (`shard`:
+    checkpoint_manager.Roles.momentum_file, unique among the G outer groups' ranks)."""
     return f"outer_{shard:04d}.safetensors"
 
 
@@ -153,16 +155,6 @@ def save_shared(directory: Path, global_params: Mapping[str, torch.Tensor],
     outer_scalars = {k: v for k, v in outer_state.items() if k != "buffers"}
     (directory / STATE_FILE).write_text(json.dumps(
         {"format": FORMAT, **state, "outer": outer_scalars}, indent=1))
-
-
-def holds_every_file(names: Collection[str], replicas: int,
-                     absent: Collection[int] = ()) -> bool:
-    """Whether a checkpoint directory holding the files `names` has every file of a complete
-    checkpoint of `replicas` replicas by name, those of the `absent` replicas aside
-    (`absent_replicas`; contents are checked at resume: checkpoint_problems)."""
-    needed = {STATE_FILE, GLOBAL_FILE,
-              *(replica_file(r) for r in range(replicas) if r not in absent)}
-    return needed <= set(names)
 
 
 def absent_replicas(state: Mapping[str, Any]) -> set[int]:

@@ -5,13 +5,12 @@ a replica spread over G workers gives each its rows of the replica's batch)."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from isoloco_ray.data.format import DataError
-from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.agreement import stop_if_any_rank_failed
 from isoloco_ray.workers.collectives import TrafficCounter
 from isoloco_ray.workers.gradient_average import GradientAverage
@@ -46,16 +45,14 @@ class DataParallelRounds:
             parts.model, cfg.inner, cfg.resolved.rounds * cfg.inner.steps,
             parts.env.device.type == "cuda")
 
-    def save(self, directory: Path) -> None:
-        """Write the optimizer and schedule (called on rank 0)."""
-        checkpoint.save_data_parallel(directory, {"optimizer": self.optimizer.state_dict(),
-                                                  "schedule": self.schedule.state_dict()})
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer and schedule (checkpoint.DATA_PARALLEL_FILE)."""
+        return {"optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict()}
 
-    def restore(self, directory: Path) -> None:
-        """Take the optimizer and schedule of the checkpoint in `directory`."""
-        saved = checkpoint.load_data_parallel(directory)
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.schedule.load_state_dict(saved["schedule"])
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take a `state_dict`."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
 
     def run_round(self, round_index: int) -> tuple[float, float, OuterStepStats]:
         """Round `round_index` + 1 (`round_index` rounds are done). Returns (this rank's share

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -182,12 +181,6 @@ class DiLoCoRounds:
     def quorum_metrics(self) -> dict[str, Any]:
         """Who took part in the round's sync: nothing to say without a quorum."""
         return {}
-
-    def save(self, directory: Path) -> None:
-        """Nothing of its own to save: every sync has landed at a round's end."""
-
-    def restore(self, directory: Path) -> None:
-        """Nothing of its own to restore (see `save`)."""
 
     def close(self) -> None:
         """Nothing to stop (a streaming run's background thread: StreamingRounds)."""

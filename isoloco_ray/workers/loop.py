@@ -13,12 +13,11 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import LlamaForCausalLM
 
-from isoloco_ray.config import TrainConfig, config_differences
+from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import Dataset
 from isoloco_ray.data.stream import ReplicaStream, replica_share
 from isoloco_ray.metrics import RoundMetrics, RunSummary
@@ -28,6 +27,7 @@ from isoloco_ray.workers.agreement import (
     check_workers_agree,
     stop_unless_checkpoint_fits,
 )
+from isoloco_ray.workers.checkpoint_manager import AttributeState, CheckpointManager, Roles
 from isoloco_ray.workers.data_parallel_rounds import DataParallelRounds
 from isoloco_ray.workers.diloco_rounds import DiLoCoRounds
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
@@ -65,6 +65,9 @@ class Trainer:
     # What runs a round: DiLoCo's inner steps and outer syncs (no state of its own at a
     # round's end), or adamw_ddp's data-parallel steps (its AdamW and LR schedule).
     runner: DiLoCoRounds | DataParallelRounds
+    # Every part above and the counters below, saved and restored one way (which worker
+    # writes which file: checkpoint_manager.py).
+    checkpoints: CheckpointManager
     round: int  # outer rounds completed
     initial_eval_loss: float | None
     last_eval_loss: float | None
@@ -109,8 +112,12 @@ class Trainer:
         self.bad_rounds = 0
         self.eval_set = eval_sequences(self.dataset.split_files("valid"), cfg.data.seq_len,
                                        cfg.run.eval_tokens)
+        self.checkpoints = CheckpointManager(
+            cfg, AttributeState(self, checkpoint.COUNTERS), self.global_params, self.outer,
+            self.replicas, self.runner if isinstance(self.runner, DataParallelRounds) else None,
+            self.fragments)
         if env.restore_from is not None:
-            self.restore(env.restore_from)
+            self.checkpoints.restore(env.restore_from)
 
     def _outer_sync(self) -> OuterSync:
         """The outer step over this worker's outer group."""
@@ -136,71 +143,19 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def counters(self) -> dict[str, Any]:
-        """The run's counters (checkpoint.COUNTERS): round, eval losses, seconds, bytes."""
-        return {name: getattr(self, name) for name in checkpoint.COUNTERS}
-
-    def set_counters(self, counters: dict[str, Any]) -> None:
-        """Take `counters` (a checkpoint's, or a peer's when healing)."""
-        for name, value in counters.items():
-            setattr(self, name, value)
-
     def writes_run_files(self) -> bool:
         """Whether this worker writes what every worker holds alike (a checkpoint's shared
         files, the model, the run's progress): rank 0."""
         return self.env.rank == 0
 
-    def _saves_momentum(self) -> bool:
-        """Whether this rank saves outer momentum: in each of the G outer groups, rank 0 when
-        every rank holds its position's, else each owner its share."""
-        return self.outer.rank == 0 or not self.outer.route.everyone_merges
+    def roles(self) -> Roles:
+        """Which files of a checkpoint this worker writes (checkpoint_manager.Roles)."""
+        return Roles.in_group(self.layout, self.outer.route.everyone_merges)
 
     def save(self, directory: Path, record: Metrics | None = None) -> None:
-        """Write this rank's part of a checkpoint of the state after `self.round` rounds;
+        """Write this worker's part of a checkpoint of the state after `self.round` rounds;
         `record`: the round's metrics line, kept with it (checkpoint.saved_record)."""
-        writer = self.writes_run_files()
-        if writer:
-            checkpoint.save_shared(directory, self.global_params, self.outer.state_dict(),
-                                   {**self.counters(), "config": self.cfg.model_dump(mode="json"),
-                                    "record": record})
-            self.runner.save(directory)
-        if self._saves_momentum():
-            checkpoint.save_outer_momentum(directory, self.outer.momentum_file,
-                                           self.outer.state_dict()["buffers"])
-        if not self.layout.saves_replicas:
-            return  # the replica's first worker saves what all its workers hold alike
-        for replica in self.replicas:
-            checkpoint.save_replica(directory, replica.index, replica.state_dict())
-
-    def restore(self, directory: Path) -> None:
-        """Continue from a checkpoint exactly where the saved run stood. Raises
-        checkpoint.CheckpointError, naming the files, for a damaged checkpoint (every file is
-        checked first: never half-restored) or one written with other settings."""
-        problems = checkpoint.checkpoint_problems(directory)
-        if problems:
-            raise checkpoint.CheckpointError(checkpoint.damage_report(directory, problems))
-        params, outer_state, state = checkpoint.load_shared(directory)
-        rejoining = checkpoint.rejoining_replicas(directory, state)  # before the config goes
-        differing = config_differences(state.pop("config"), self.cfg)
-        if differing:
-            raise checkpoint.CheckpointError(
-                f"the checkpoint in {directory} was written with different settings: "
-                f"{', '.join(differing)}; resume with the same configuration or use a new "
-                "run.name")
-        # In the model's order (safetensors returns names sorted): merges visit tensors in it.
-        self.global_params.update({name: params[name].to(self.env.device)
-                                   for name in self.global_params})
-        self.outer.load_state_dict(outer_state, {n: p.shape for n, p in params.items()},
-                                   self.fragments)
-        self.set_counters(checkpoint.read_counters(state, directory / checkpoint.STATE_FILE))
-        for replica in self.replicas:
-            if replica.index in rejoining:
-                # Its worker missed the round: it goes on as it would once healed or replaced.
-                replica.rejoin(self.round * self.cfg.inner.steps, self.global_params)
-                continue
-            replica.load_state_dict(checkpoint.load_replica(directory, replica.index),
-                                    self.global_params)
-        self.runner.restore(directory)
+        self.checkpoints.save(directory, self.roles(), record)
 
     # -- one round -------------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ from isoloco_ray.data.format import Dataset
 from isoloco_ray.fault_tolerance import min_quorum
 from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.agreement import TrainingStopped
+from isoloco_ray.workers.checkpoint_manager import needed_files
 from isoloco_ray.workers.export import export_into_summary
 from isoloco_ray.workers.loop import Trainer
 from isoloco_ray.workers.seated_trainer import SeatedTrainer
@@ -123,12 +124,11 @@ def stored_checkpoints(run_dir: Any) -> list[Any]:
 class QuorumReports:
     """WorkerEnv.report of a seated worker: progress and checkpoints (the module's docstring).
     The writer keeps the newest `keep` checkpoints and the newest complete one (every file
-    it needs: checkpoint.holds_every_file), so that a copy cut short never leaves the run
+    it needs: checkpoint_manager.needed_files), so that a copy cut short never leaves the run
     without one to resume from."""
 
-    def __init__(self, run_dir: Any, progress: Any, keep: int, replicas: int) -> None:
-        self.run_dir, self.progress = run_dir, progress
-        self.keep, self.replicas = keep, replicas
+    def __init__(self, run_dir: Any, progress: Any, keep: int) -> None:
+        self.run_dir, self.progress, self.keep = run_dir, progress, keep
 
     def __call__(self, metrics: Metrics, directory: Path | None, writer: bool) -> None:
         if writer and self.progress is not None:
@@ -154,8 +154,8 @@ class QuorumReports:
                 filesystem.delete_dir(old.path)
 
     def _complete(self, filesystem: Any, path: str) -> bool:
-        """Whether checkpoint `path` holds every file it needs (checkpoint.holds_every_file;
-        none of the replicas of workers missing from its round: absent_replicas)."""
+        """Whether checkpoint `path` holds every file it needs (needed_files: none of the
+        replicas of workers missing from its round)."""
         import pyarrow.fs
 
         names = [entry.base_name for entry in filesystem.get_file_info(
@@ -165,10 +165,10 @@ class QuorumReports:
         try:
             with filesystem.open_input_stream(posixpath.join(path, checkpoint.STATE_FILE)) as f:
                 state = json.loads(f.read())
-            absent = checkpoint.absent_replicas(state)
+            needed = needed_files(state)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return False  # unreadable: resume skips it too
-        return checkpoint.holds_every_file(names, self.replicas, absent)
+        return needed <= set(names)
 
 
 def drop_newer_checkpoints(run_dir: Any, resumed: str) -> None:
@@ -231,8 +231,7 @@ def train_replica_worker(cfg: TrainConfig, dataset: Dataset, run_dir: Any, env: 
         return  # a replacement started after the run ended
     import ray
 
-    env = replace(env, report=QuorumReports(run_dir, progress, cfg.run.keep_checkpoints,
-                                            cfg.scaling.replicas))
+    env = replace(env, report=QuorumReports(run_dir, progress, cfg.run.keep_checkpoints))
     host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
     trainer = seated_trainer(cfg, dataset, env, lighthouse_address(loopback),
                              timeout=timedelta(seconds=timeouts["collective"]),
@@ -295,7 +294,7 @@ def restore_newest(trainer: Trainer, run_dir: Any) -> tuple[str | None, str | No
         if start.warning is not None and trainer.env.rank == 0:
             print(start.warning, file=sys.stderr, flush=True)
         try:
-            trainer.restore(start.directory)
+            trainer.checkpoints.restore(start.directory)
         except checkpoint.CheckpointError as exc:  # naming the stored files, not copies
             return str(exc).replace(str(start.directory), start.name), None
         if trainer.writes_run_files():

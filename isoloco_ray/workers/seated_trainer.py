@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from isoloco_ray.workers.checkpoint_manager import Roles
 from isoloco_ray.workers.data_parallel_rounds import DataParallelRounds
 from isoloco_ray.workers.diloco_rounds import DiLoCoRounds
 from isoloco_ray.workers.loop import Trainer
@@ -53,9 +54,9 @@ class SeatedTrainer(Trainer):
         committed = self.runner.committed
         return committed is not None and committed.writer == self.env.rank
 
-    def _saves_momentum(self) -> bool:
-        """The writer: every worker holds all of it (its outer group is itself alone)."""
-        return self.writes_run_files()
+    def roles(self) -> Roles:
+        """The writer writes the shared files and the momentum; every worker its replicas'."""
+        return Roles.over_quorum(self.writes_run_files(), self.layout.hosted)
 
     def _collective_share(self) -> tuple[int, int]:
         """0 of 1: its peers may be gone, so it scores the whole eval set and checks its own
@@ -70,7 +71,7 @@ class SeatedTrainer(Trainer):
         """What a peer that fell behind takes from this worker when torchft heals it: θ, the
         outer optimizer's state and the run's counters (replicas are not sent: `join`)."""
         return {"global": self.global_params, "outer": self.outer.state_dict(),
-                "counters": self.counters()}
+                "counters": self.checkpoints.counters.state_dict()}
 
     def load_quorum_state(self, state: dict[str, Any]) -> None:
         """Take a peer's `quorum_state`, θ copied into this worker's own tensors."""
@@ -79,7 +80,7 @@ class SeatedTrainer(Trainer):
                 tensor.copy_(state["global"][name])
         self.outer.load_state_dict(state["outer"], {n: t.shape for n, t in
                                                     self.global_params.items()}, self.fragments)
-        self.set_counters(state["counters"])
+        self.checkpoints.counters.load_state_dict(state["counters"])
 
     def join(self) -> bool:
         """A worker's first sync, with no Δ; returns whether the run is starting here (every

@@ -369,6 +369,21 @@ def test_resume_may_change_placement_but_not_the_math():
         "outer.comm_dtype"]
 
 
+@pytest.mark.parametrize("strategy, option", [
+    ("tsv", "keep_fraction"), ("ties", "sparsity"), ("dare", "sparsity"),
+    ("isocts", "common_fraction")])
+def test_a_checkpoint_older_than_a_strategy_option_resumes_with_its_default(strategy, option):
+    """A saved config that lacks an option (added to the strategy since) had the option's
+    default then, R-dependent ones included (tsv's 1/R); another value is a difference."""
+    cfg = load_config([f"--outer.strategy={strategy}", "--scaling.replicas=4"])
+    saved = cfg.model_dump(mode="json")
+    assert option in saved["outer"]
+    del saved["outer"][option]
+    assert config_differences(saved, cfg) == []
+    saved["outer"][option] = 0.5 if cfg.outer.strategy_options[option] != 0.5 else 0.25
+    assert config_differences(saved, cfg) == [f"outer.{option}"]
+
+
 def test_a_replica_over_several_workers_splits_its_batch():
     cfg = load_config(["--scaling.replicas_per_worker=1", "--scaling.workers_per_replica=2"])
     assert cfg.scaling.num_workers == 8

@@ -15,6 +15,7 @@ from helpers import TINY_RUN, truncate
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DatasetMeta, read_blocks, shard_name, write_blocks
 from isoloco_ray.workers import checkpoint, resume
+from isoloco_ray.workers.checkpoint_manager import Roles, needed_files
 from isoloco_ray.workers.local import StopAfterRound, run_local
 from isoloco_ray.workers.outer.step import OuterSync
 from isoloco_ray.workers.replica import Replica
@@ -618,8 +619,8 @@ def test_replicas_of_a_worker_missing_from_the_round_are_not_needed_and_rejoin_a
     for replica in range(1, hosted):
         (directory / checkpoint.replica_file(replica)).unlink()
     assert checkpoint.checkpoint_problems(directory) == []
-    assert checkpoint.holds_every_file([p.name for p in directory.iterdir()],
-                                       cfg.scaling.replicas, checkpoint.absent_replicas(state))
+    assert needed_files(state) <= {p.name for p in directory.iterdir()}
+    assert checkpoint.replica_file(1) not in needed_files(state)
 
     restored = Trainer(cfg, small_dataset, local_env(restore_from=directory))
     rejoined = Trainer(cfg, small_dataset, local_env(restore_from=intact))
@@ -640,3 +641,42 @@ def test_replicas_of_a_worker_missing_from_the_round_are_not_needed_and_rejoin_a
     state_path.write_text(json.dumps(state))
     assert [line.split(": ", 1)[1] for line in checkpoint.checkpoint_problems(directory)] == [
         "missing"] * (hosted - 1)
+
+
+@pytest.mark.parametrize("replicas, per_worker, per_replica", [
+    (1, 1, 1), (4, 1, 1), (4, 2, 1), (4, 4, 1), (2, 1, 2), (4, 1, 2), (3, 1, 4)])
+@pytest.mark.parametrize("everyone_merges", [True, False])
+def test_every_file_of_a_checkpoint_is_written_by_exactly_one_worker(
+        replicas, per_worker, per_replica, everyone_merges):
+    """Over every worker of a run (V replicas per worker, or each replica on G workers; every
+    rank merging all tensors, or each owner its share) the files the workers' Roles name are
+    the files a complete checkpoint needs, and no two workers write the same file."""
+    from isoloco_ray.workers.layout import WorkerLayout
+
+    cfg = load_config([f"--scaling.replicas={replicas}",
+                       f"--scaling.replicas_per_worker={per_worker}",
+                       f"--scaling.workers_per_replica={per_replica}"])
+    world = cfg.scaling.num_workers
+    written: list[str] = []
+    momentum_files: list[int] = []
+    for rank in range(world):
+        layout = WorkerLayout(rank, world, per_worker, per_replica, None, None, None)
+        roles = Roles.in_group(layout, everyone_merges)
+        written += [checkpoint.replica_file(r) for r in roles.replicas]
+        if roles.shared:
+            written += [checkpoint.STATE_FILE, checkpoint.GLOBAL_FILE]
+        if roles.momentum_file is not None:
+            momentum_files.append(roles.momentum_file)
+    assert sorted(written) == sorted(set(written))  # none twice
+    state = {"config": cfg.model_dump(mode="json"), "record": None}
+    assert set(written) == needed_files(state)
+    # One momentum file per outer group's writer: each position's when every rank holds all of
+    # it, every rank's own share when owners merge.
+    assert sorted(momentum_files) == (list(range(per_replica)) if everyone_merges
+                                      else list(range(world)))
+
+
+def test_over_a_quorum_the_writer_writes_the_shared_files_and_every_worker_its_replicas():
+    writer, other = Roles.over_quorum(True, range(0, 2)), Roles.over_quorum(False, range(2, 4))
+    assert (writer.shared, writer.momentum_file, writer.replicas) == (True, 0, (0, 1))
+    assert (other.shared, other.momentum_file, other.replicas) == (False, None, (2, 3))

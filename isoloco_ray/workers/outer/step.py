@@ -118,12 +118,6 @@ class OuterSync:
         self._plans: dict[tuple[str, ...], OuterPlan] = {}
         self._shares: dict[tuple[str, ...], tuple[tuple[str, ...], ...]] = {}
 
-    @property
-    def momentum_file(self) -> int:
-        """The number of the checkpoint file this rank saves its outer momentum in (unique
-        among the G outer groups' ranks)."""
-        return self.rank * self.positions + self.position
-
     def shares(self, shapes: Mapping[str, torch.Size]) -> tuple[tuple[str, ...], ...]:
         """The tensors of `shapes` each position steps (plan.position_shares; all of them at
         position 0 when G = 1); built on first use, the same every round."""
