@@ -6,7 +6,7 @@ Part 1 runs one real outer step of `OuterSync` per strategy, placement and comm_
 W spawned gloo ranks (W = 2, 4, 8; each hosts L = R/W replicas), on the 178M model's
 tensors with every dimension divided by 8. Bytes are linear in the parameter count, so
 they are reported as multiples of P, the model's float32 bytes, and scaled to the real
-178M model. They follow the cost model of isoloco_ray/workers/collectives.py:
+178M model. They follow the cost model of isoloco_ray/workers/parallel/collectives.py:
 
 - owners (rank0; sharded except the plain means in float32): an all-to-all brings each
   tensor's payload from the W-1 other ranks to its owner (the sum of the hosted Δ_r for
@@ -64,18 +64,17 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
-
 from merge import MODELS, make_deltas, model_tensors  # benchmarks/merge.py, beside this file
 
 from isoloco_ray.config import OuterConfig, load_config
 from isoloco_ray.strategies import STRATEGIES as STRATEGY_SPECS
 from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.testing import exit_after
-from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.local import in_gloo_group
 from isoloco_ray.workers.outer.plan import OuterPlan
 from isoloco_ray.workers.outer.step import OuterSync
 from isoloco_ray.workers.outer.transport import Contributions
+from isoloco_ray.workers.parallel.layout import WorkerLayout
 
 T = TypeVar("T")
 

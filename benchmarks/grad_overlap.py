@@ -1,5 +1,5 @@
 """Inner-step seconds of a replica spread over G = 2 workers: the gradient all-reduce started
-from backward, bucket by bucket (workers/gradient_average.py), against one all-reduce after
+from backward, bucket by bucket (workers/parallel/gradient_average.py), against one all-reduce after
 backward (what the workers did before).
 
     python benchmarks/grad_overlap.py [--preset 178M] [--steps 5] [--seq-len 128] [--threads 1]
@@ -22,10 +22,10 @@ import torch
 
 from isoloco_ray.config import load_config
 from isoloco_ray.testing import exit_after
-from isoloco_ray.workers.collectives import TrafficCounter, all_reduce_sum
-from isoloco_ray.workers.gradient_average import GradientAverage
 from isoloco_ray.workers.local import in_gloo_group
 from isoloco_ray.workers.model import Runtime, build_model
+from isoloco_ray.workers.parallel.collectives import TrafficCounter, all_reduce_sum
+from isoloco_ray.workers.parallel.gradient_average import GradientAverage
 from isoloco_ray.workers.replica import accumulate_gradients
 
 VOCAB = 32000

@@ -64,8 +64,8 @@ def configurations() -> dict[str, list[str]]:
 def hashes(data: Path) -> dict[str, str]:
     """Each configuration's final parameters' sha256 (its first 16 hex digits)."""
     from isoloco_ray.config import load_config
-    from isoloco_ray.workers import checkpoint
     from isoloco_ray.workers.local import keep_processes, run_local
+    from isoloco_ray.workers.state import checkpoint
 
     out = {}
     with keep_processes():

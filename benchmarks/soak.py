@@ -231,7 +231,8 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
     import torch
 
     from isoloco_ray.config import load_config
-    from isoloco_ray.workers import checkpoint, plain_loop
+    from isoloco_ray.workers import plain_loop
+    from isoloco_ray.workers.state import checkpoint
 
     cfg = load_config(flags)
     rounds = cfg.resolved.rounds

@@ -17,8 +17,8 @@ import time
 import torch
 
 from isoloco_ray.config import ModelConfig
-from isoloco_ray.workers.checkpoint import parameters_checksum, parameters_sha256
 from isoloco_ray.workers.model import build_model, count_parameters
+from isoloco_ray.workers.state.checkpoint import parameters_checksum, parameters_sha256
 
 VOCAB = 32000
 

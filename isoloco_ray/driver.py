@@ -52,7 +52,7 @@ def check_run_dir(cfg: TrainConfig, run_dir: Path, saved: dict[str, Any] | None)
             raise ConfigError(f"run.name: {run_dir} is a run with other settings "
                               f"({', '.join(differing)}); resume it with the same settings or "
                               "choose another run.name")
-    from isoloco_ray.workers.export import ExportError, refuse_foreign
+    from isoloco_ray.workers.state.export import ExportError, refuse_foreign
 
     try:  # found now, not after the training, whose model could then not be put in place
         refuse_foreign(run_dir / run_files.MODEL_DIR)
@@ -169,7 +169,7 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
     from ray.util.queue import Queue
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from isoloco_ray.workers.resume import repair_record
+    from isoloco_ray.workers.state.resume import repair_record
 
     # On this (the driver's) node: a queue on a node that is lost would take every later
     # progress line with it, while the run goes on elsewhere.
@@ -189,7 +189,7 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
                                       run_dir / run_files.METRICS, stop, on_metrics,
                                       cfg.outer.delay > 0))
     follower.start()
-    from isoloco_ray.workers.replica_mode import read_end
+    from isoloco_ray.workers.quorum.replica_mode import read_end
 
     def attempt() -> Any:
         with allowed_counts_only(cfg.scaling):
@@ -209,7 +209,7 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
         follower.join()
     if not replica_mode:
         return result.return_value
-    # Left by the final round's writer (workers/replica_mode.py): rank 0 may have been lost.
+    # Left by the final round's writer (workers/quorum/replica_mode.py): rank 0 may have been lost.
     final = read_end(run_dir)
     if final is None:
         return {"error": f"the workers ended without leaving the run's result "
@@ -234,7 +234,7 @@ def restarting_on_controller_errors(attempt: Callable[[], Any], max_failures: in
     cost the rounds since it, not the run. Other failures are raised as they come."""
     from ray.train import ControllerError
 
-    from isoloco_ray.workers.replica_mode import read_end
+    from isoloco_ray.workers.quorum.replica_mode import read_end
 
     restarts = 0
     while True:

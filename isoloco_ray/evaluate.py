@@ -207,10 +207,9 @@ def model_config(model_dir: Path) -> Any:
 def load_model(model_dir: Path, config: Any, device: Any) -> Any:
     """The causal LM in `model_dir`, float32, from safetensors only (never unpickled)."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-
-    from safetensors import SafetensorError
 
     hf_logging.disable_progress_bar()  # one result line, not a bar per load
     try:
@@ -232,9 +231,9 @@ def run_evaluation(target: Target, data: Path | UPath, split: str, tokens: int |
     settings, or for a model directory the defaults of a run)."""
     import torch
 
-    from isoloco_ray.workers.checkpoint import parameters_sha256
     from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
     from isoloco_ray.workers.model import Runtime
+    from isoloco_ray.workers.state.checkpoint import parameters_sha256
 
     cfg = target.config
     tokens = tokens or (cfg.run.eval_tokens if cfg else RunConfig.model_fields["eval_tokens"]

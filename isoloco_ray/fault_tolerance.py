@@ -4,7 +4,7 @@ check that torchft is installed, and Ray Train's torchft backend for the run.
 In this mode each Ray Train worker is one torchft replica group; a torchft lighthouse (a Ray
 actor that Ray Train starts on the driver's node) forms one quorum per outer round from the
 workers alive, and Ray Train replaces a lost worker alone while the others go on
-(workers/quorum.py is the workers' side).
+(workers/quorum/seat.py is the workers' side).
 """
 
 from __future__ import annotations

@@ -133,8 +133,8 @@ def _most_owned(cfg: TrainConfig, merge: OuterMerge, shapes: Mapping[str, Sequen
     workers build (OuterSync.plan), fragment by fragment."""
     import torch
 
-    from isoloco_ray.workers.fragments import split_fragments
     from isoloco_ray.workers.outer.plan import OuterPlan, position_shares
+    from isoloco_ray.workers.rounds.fragments import split_fragments
 
     sizes = {name: math.prod(shape) for name, shape in shapes.items()}
     torch_shapes = {name: torch.Size(shape) for name, shape in shapes.items()}

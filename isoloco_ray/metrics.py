@@ -73,7 +73,7 @@ class RoundMetrics(_JsonRecord):
     # The workers' agreement on θ (workers/agreement.py): a full hash on checkpoint rounds.
     state_sha256: str | None = None
     state_checksum: str | None = None
-    # scaling.fault_tolerance=replica: who took part in the round's sync (diloco_rounds.py).
+    # scaling.fault_tolerance=replica: who took part in the round's sync (rounds/diloco.py).
     quorum: list[int] | None = None
     contributors: list[int] | None = None
     missing_workers: list[int] | None = None

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TINY_RUN
 from pydantic import ValidationError
 
-from helpers import TINY_RUN
 from isoloco_ray.config import ScalingConfig, load_config
 from isoloco_ray.elastic import allowed_counts_only, ray_scaling_config, round_down
-from isoloco_ray.workers.layout import WorkerLayout, placement_warning
 from isoloco_ray.workers.local import StopAfterRound, run_local
+from isoloco_ray.workers.parallel.layout import WorkerLayout, placement_warning
 
 RUN = TINY_RUN + ["--inner.steps=2", "--run.rounds=4", "--run.checkpoint_every=2",
                   "--run.eval_tokens=512", "--run.eval_every=2"]

@@ -18,10 +18,10 @@ from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DatasetMeta
 from isoloco_ray.data.prepare.npy_import import prepare_from_npy
 from isoloco_ray.driver import write_summary
-from isoloco_ray.workers.export import export_model
 from isoloco_ray.workers.local import run_local
 from isoloco_ray.workers.model import build_model
 from isoloco_ray.workers.replica import load_parameters
+from isoloco_ray.workers.state.export import export_model
 
 EVAL_TOKENS = 1500  # 23 sequences of 64: micro-batches of 2, the last one short
 

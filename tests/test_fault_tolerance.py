@@ -13,8 +13,9 @@ import torch
 
 from isoloco_ray import train
 from isoloco_ray.config import load_config
-from isoloco_ray.workers import checkpoint, plain_loop
-from isoloco_ray.workers.replica_mode import EndWatch
+from isoloco_ray.workers import plain_loop
+from isoloco_ray.workers.quorum.replica_mode import EndWatch
+from isoloco_ray.workers.state import checkpoint
 
 pytest.importorskip("torchft")
 
@@ -152,7 +153,7 @@ def test_a_checkpoint_folder_planted_as_a_link_during_a_run_stops_it_with_one_li
     by then is never written through; the worker stops the run (TrainingStopped: one line in
     the run's result) instead of failing into Ray Train's restarts."""
     from isoloco_ray.workers.agreement import TrainingStopped
-    from isoloco_ray.workers.replica_mode import QuorumReports
+    from isoloco_ray.workers.quorum.replica_mode import QuorumReports
 
     files, elsewhere, run_dir = tmp_path / "files", tmp_path / "elsewhere", tmp_path / "run"
     for folder in (files, elsewhere, run_dir):
@@ -235,8 +236,8 @@ def test_a_resume_records_the_checkpoints_round_once_if_the_stopped_run_never_di
     from isoloco_ray import run_files
     from isoloco_ray.data.stream import read_with_pyarrow
     from isoloco_ray.workers.loop import Trainer
+    from isoloco_ray.workers.quorum.replica_mode import record_restored_round
     from isoloco_ray.workers.worker_env import WorkerEnv
-    from isoloco_ray.workers.replica_mode import record_restored_round
 
     cfg = load_config(["--model.preset=tiny", "--inner.steps=1", "--run.rounds=2",
                        "--scaling.replicas_per_worker=4",
@@ -274,8 +275,8 @@ def test_a_worker_that_gets_no_quorum_stops_the_run_with_one_reason(tmp_path, sm
 
     from isoloco_ray.data.format import Dataset
     from isoloco_ray.data.stream import read_with_pyarrow
+    from isoloco_ray.workers.quorum.replica_mode import read_end, train_replica_worker
     from isoloco_ray.workers.worker_env import WorkerEnv
-    from isoloco_ray.workers.replica_mode import read_end, train_replica_worker
 
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=1000)
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE",
@@ -310,8 +311,11 @@ def test_checkpoint_retention_keeps_the_newest_complete_one_and_a_resume_drops_n
     restart that resumes from round 15 deletes the newer ones: an earlier attempt's files must
     never mix with the rounds run again into what looks like a complete checkpoint."""
     from isoloco_ray import run_files
-    from isoloco_ray.workers.replica_mode import (QuorumReports, drop_newer_checkpoints,
-                                                  stored_checkpoints)
+    from isoloco_ray.workers.quorum.replica_mode import (
+        QuorumReports,
+        drop_newer_checkpoints,
+        stored_checkpoints,
+    )
 
     def stored(round_index: int, replicas: range, missing_workers: list[int]) -> None:
         directory = tmp_path / run_files.FT_CHECKPOINT.format(round=round_index)

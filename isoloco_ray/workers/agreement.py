@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from isoloco_ray.workers import checkpoint
-from isoloco_ray.workers.collectives import all_gather_strings, all_reduce_scalars
+from isoloco_ray.workers.parallel.collectives import all_gather_strings, all_reduce_scalars
+from isoloco_ray.workers.state import checkpoint
 
 
 class TrainingStopped(RuntimeError):

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from upath import UPath
 
 from isoloco_ray.data.format import read_blocks
-from isoloco_ray.workers.collectives import all_reduce_scalars
 from isoloco_ray.workers.model import Runtime
+from isoloco_ray.workers.parallel.collectives import all_reduce_scalars
 
 
 def eval_sequences(valid_files: Sequence[Path | UPath], seq_len: int, max_tokens: int

@@ -28,7 +28,7 @@ from isoloco_ray import storage
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.stream import read_with_pyarrow
 from isoloco_ray.workers.loop import Trainer
-from isoloco_ray.workers.round_metrics import Metrics
+from isoloco_ray.workers.rounds.round_metrics import Metrics
 from isoloco_ray.workers.worker_env import WorkerEnv
 
 

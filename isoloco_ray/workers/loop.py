@@ -1,5 +1,5 @@
 """What each training worker runs: its state (`Trainer`: R/W replicas, the global parameters,
-the outer optimizer), rounds run by diloco_rounds.py or data_parallel_rounds.py, eval,
+the outer optimizer), rounds run by rounds/diloco.py or rounds/data_parallel.py, eval,
 metrics (round_metrics.py), agreement checks (agreement.py), checkpoints.
 
 `Trainer` is plain PyTorch (+ torch.distributed when W > 1) so tests can run it in one process
@@ -21,29 +21,29 @@ from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import Dataset
 from isoloco_ray.data.stream import ReplicaStream, replica_share
 from isoloco_ray.metrics import RoundMetrics, RunSummary
-from isoloco_ray.workers import checkpoint
 from isoloco_ray.workers.agreement import (
     TrainingStopped,
     check_workers_agree,
     stop_unless_checkpoint_fits,
 )
-from isoloco_ray.workers.checkpoint_manager import AttributeState, CheckpointManager, Roles
-from isoloco_ray.workers.data_parallel_rounds import DataParallelRounds
-from isoloco_ray.workers.diloco_rounds import DiLoCoRounds
 from isoloco_ray.workers.evaluate import eval_sequences, evaluate, perplexity
-from isoloco_ray.workers.fragments import split_fragments
-from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters
 from isoloco_ray.workers.outer.step import OuterSync
+from isoloco_ray.workers.parallel.layout import WorkerLayout
 from isoloco_ray.workers.replica import (
     Replica,
     load_parameters,
     parameters_finite,
     snapshot_parameters,
 )
-from isoloco_ray.workers.round_metrics import Metrics, round_metrics
-from isoloco_ray.workers.round_parts import RoundParts
-from isoloco_ray.workers.streaming_rounds import StreamingRounds
+from isoloco_ray.workers.rounds.data_parallel import DataParallelRounds
+from isoloco_ray.workers.rounds.diloco import DiLoCoRounds
+from isoloco_ray.workers.rounds.fragments import split_fragments
+from isoloco_ray.workers.rounds.round_metrics import Metrics, round_metrics
+from isoloco_ray.workers.rounds.round_parts import RoundParts
+from isoloco_ray.workers.rounds.streaming import StreamingRounds
+from isoloco_ray.workers.state import checkpoint
+from isoloco_ray.workers.state.checkpoint_manager import AttributeState, CheckpointManager, Roles
 from isoloco_ray.workers.worker_env import WorkerEnv
 
 # A final eval loss within this many nats of ln V is no better than a uniform prediction.

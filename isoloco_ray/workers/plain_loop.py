@@ -26,11 +26,10 @@ from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import DataDir, Dataset
 from isoloco_ray.data.stream import ReplicaStream, read_with_pyarrow, replica_share
 from isoloco_ray.strategies import OuterMerge
-from isoloco_ray.workers.fragments import split_fragments
 from isoloco_ray.workers.model import build_model
 from isoloco_ray.workers.outer.step import OuterSync, outer_optimizer
 from isoloco_ray.workers.replica import make_inner_optimizer, schedule_at
-
+from isoloco_ray.workers.rounds.fragments import split_fragments
 
 # A reference loop's replica: its model, its AdamW with its LR schedule, its data stream.
 ReferenceReplica = tuple[LlamaForCausalLM, tuple[torch.optim.AdamW, LambdaLR], ReplicaStream]

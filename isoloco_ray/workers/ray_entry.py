@@ -21,11 +21,11 @@ import torch.distributed as dist
 from isoloco_ray import run_files, storage
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import Dataset
-from isoloco_ray.workers import checkpoint, resume
-from isoloco_ray.workers.export import export_into_summary
-from isoloco_ray.workers.layout import placement_warning
 from isoloco_ray.workers.loop import Trainer
-from isoloco_ray.workers.round_metrics import Metrics
+from isoloco_ray.workers.parallel.layout import placement_warning
+from isoloco_ray.workers.rounds.round_metrics import Metrics
+from isoloco_ray.workers.state import checkpoint, resume
+from isoloco_ray.workers.state.export import export_into_summary
 from isoloco_ray.workers.worker_env import WorkerEnv
 
 
@@ -147,7 +147,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     if hooks is not None:
         env = replace(env, after_replica=hooks, after_step=hooks.after_step)
     if cfg.scaling.fault_tolerance == "replica":
-        from isoloco_ray.workers.replica_mode import train_replica_worker
+        from isoloco_ray.workers.quorum.replica_mode import train_replica_worker
 
         train_replica_worker(cfg, dataset, run_dir, env, progress, loop_config["loopback"],
                              loop_config["ft_timeouts"])

@@ -18,10 +18,10 @@ from torch import nn
 
 from isoloco_ray.config import InnerConfig, settled
 from isoloco_ray.data.stream import ReplicaStream, StreamPosition
-from isoloco_ray.workers.checkpoint import CheckpointError
-from isoloco_ray.workers.gradient_average import GradientAverage
-from isoloco_ray.workers.layout import ReplicaShard
 from isoloco_ray.workers.model import Runtime
+from isoloco_ray.workers.parallel.gradient_average import GradientAverage
+from isoloco_ray.workers.parallel.layout import ReplicaShard
+from isoloco_ray.workers.state.checkpoint import CheckpointError
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_fraction: float) -> float:

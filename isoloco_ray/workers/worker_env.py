@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from isoloco_ray.data.stream import RowReader
-from isoloco_ray.workers.quorum import QuorumSeat
-from isoloco_ray.workers.round_metrics import Metrics
+from isoloco_ray.workers.quorum.seat import QuorumSeat
+from isoloco_ray.workers.rounds.round_metrics import Metrics
 
 
 @dataclass
@@ -35,6 +35,6 @@ class WorkerEnv:
     after_replica: Callable[[int, int], None] | None = None
     # Test hook: called after each inner step with (round, replica) (a slow worker).
     after_step: Callable[[int, int], None] | None = None
-    # This worker's seat in each round's torchft quorum (quorum.py): the outer sync runs over
+    # This worker's seat in each round's torchft quorum (quorum/seat.py): the outer sync runs over
     # the workers alive that round, and every other collective stays within this worker.
     seat: QuorumSeat | None = None

@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from helpers import TINY_RUN, truncate
+
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DatasetMeta, read_blocks, shard_name, write_blocks
-from isoloco_ray.workers import checkpoint, resume
-from isoloco_ray.workers.checkpoint_manager import Roles, needed_files
 from isoloco_ray.workers.local import StopAfterRound, run_local
 from isoloco_ray.workers.outer.step import OuterSync
 from isoloco_ray.workers.replica import Replica
+from isoloco_ray.workers.state import checkpoint, resume
+from isoloco_ray.workers.state.checkpoint_manager import Roles, needed_files
 
 RUN = TINY_RUN + ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--inner.steps=2",
                   "--run.rounds=4", "--run.checkpoint_every=2", "--run.eval_tokens=512",
@@ -451,8 +451,7 @@ def test_ray_resume_skips_a_damaged_checkpoint_and_stops_when_none_is_intact(
 def ray_record_latest(run_dir: Path) -> str:
     """The latest checkpoint of `run_dir` as Ray Train's own checkpoint manager reads it."""
     from ray.train import CheckpointConfig
-    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
-        CheckpointManager)
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
     from ray.train.v2._internal.execution.context import StorageContext
 
     manager = CheckpointManager(CheckpointConfig(num_to_keep=2), StorageContext(
@@ -651,7 +650,7 @@ def test_every_file_of_a_checkpoint_is_written_by_exactly_one_worker(
     """Over every worker of a run (V replicas per worker, or each replica on G workers; every
     rank merging all tensors, or each owner its share) the files the workers' Roles name are
     the files a complete checkpoint needs, and no two workers write the same file."""
-    from isoloco_ray.workers.layout import WorkerLayout
+    from isoloco_ray.workers.parallel.layout import WorkerLayout
 
     cfg = load_config([f"--scaling.replicas={replicas}",
                        f"--scaling.replicas_per_worker={per_worker}",

@@ -7,15 +7,16 @@ import math
 
 import pytest
 import torch
-
 from helpers import TINY_RUN
+
 from isoloco_ray import driver, strict_json, train
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DataError
 from isoloco_ray.data.stream import ReplicaStream
-from isoloco_ray.workers import checkpoint, loop, replica
+from isoloco_ray.workers import loop, replica
 from isoloco_ray.workers.local import run_local
 from isoloco_ray.workers.outer.step import OuterSync
+from isoloco_ray.workers.state import checkpoint
 
 RUN = TINY_RUN + ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--inner.steps=2",
                   "--run.rounds=3", "--run.checkpoint_every=1", "--run.eval_tokens=512",

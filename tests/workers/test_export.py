@@ -1,5 +1,5 @@
-"""The exported model (workers/export.py): checked on disk before it is put in place, and never
-written over a file or a directory the run did not write."""
+"""The exported model (workers/state/export.py): checked on disk before it is put in place, and
+never written over a file or a directory the run did not write."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM
 
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DatasetMeta
-from isoloco_ray.workers import export
-from isoloco_ray.workers.checkpoint import parameters_sha256
-from isoloco_ray.workers.export import ExportError, export_model
 from isoloco_ray.workers.model import build_model
+from isoloco_ray.workers.state import export
+from isoloco_ray.workers.state.checkpoint import parameters_sha256
+from isoloco_ray.workers.state.export import ExportError, export_model
 
 
 @pytest.fixture

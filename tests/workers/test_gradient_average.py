@@ -1,4 +1,4 @@
-"""Gradients averaged over a group while backward runs (workers/gradient_average.py): the
+"""Gradients averaged over a group while backward runs (workers/parallel/gradient_average.py): the
 plain all-reduce after backward, bit for bit, with the buckets started during backward."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from isoloco_ray.workers.collectives import TrafficCounter, all_reduce_sum
-from isoloco_ray.workers.gradient_average import GradientAverage
 from isoloco_ray.workers.local import in_gloo_group
+from isoloco_ray.workers.parallel.collectives import TrafficCounter, all_reduce_sum
+from isoloco_ray.workers.parallel.gradient_average import GradientAverage
 
 BUCKET_BYTES = 4 * 300  # a few tensors per bucket: several buckets for a small model
 

@@ -1,4 +1,4 @@
-"""The fault-tolerant outer sync's engine (workers/quorum.py) on a real torchft lighthouse and
+"""The fault-tolerant outer sync's engine (workers/quorum/seat.py) on a real torchft lighthouse and
 real Managers, one thread per worker in this process (as torchft's own integration tests):
 the committed mean is the plain sum in rank order, a worker that leaves or dies costs one
 attempt and no recomputation, and a replacement heals from a peer."""
@@ -24,10 +24,9 @@ from isoloco_ray import aggregators  # noqa: E402
 from isoloco_ray.config import load_config  # noqa: E402
 from isoloco_ray.fault_tolerance import min_quorum  # noqa: E402
 from isoloco_ray.strategies import OuterMerge  # noqa: E402
-from isoloco_ray.workers.outer.quorum_sync import QuorumSync, quorum_numel  # noqa: E402
 from isoloco_ray.workers.outer.step import OuterSync  # noqa: E402
-from isoloco_ray.workers.quorum import (CommittedSync, Contribution, QuorumSeat,  # noqa: E402
-                                        WorkersDiffer)
+from isoloco_ray.workers.quorum.seat import CommittedSync, Contribution, QuorumSeat, WorkersDiffer  # noqa: E402
+from isoloco_ray.workers.quorum.sync import QuorumSync, quorum_numel  # noqa: E402
 
 # Torch on one thread, as the one-process references here and the local runs' ranks: three
 # Trainers on threads calling MKL at once, or a reference on more threads than the run it is
@@ -511,8 +510,8 @@ def seated_trainer(cfg, data_dir, rank: int, lighthouse: str, report=None, after
                    read_rows=None, after_step=None):
     """Worker `rank`'s Trainer (no process group) with a quorum seat that heals through it."""
     from isoloco_ray.data.stream import read_with_pyarrow
+    from isoloco_ray.workers.quorum.replica_mode import seated_trainer as seated
     from isoloco_ray.workers.worker_env import WorkerEnv
-    from isoloco_ray.workers.replica_mode import seated_trainer as seated
 
     env = WorkerEnv(rank=rank, world=3, device=torch.device("cpu"),
                     read_rows=read_rows or read_with_pyarrow,
@@ -643,8 +642,9 @@ def test_rank_0_lost_in_the_last_round_loses_no_record_and_a_random_mask_merge_s
     Every round is recorded exactly once, the last by survivor 1 (the replacement only joined
     it) naming worker 0 as missing; the last checkpoint is complete (the replacement adds its
     replicas' files: those it rejoins with)."""
-    from isoloco_ray.workers import checkpoint, plain_loop
+    from isoloco_ray.workers import plain_loop
     from isoloco_ray.workers.loop import Trainer
+    from isoloco_ray.workers.state import checkpoint
 
     cfg = trainer_config(3, "--outer.strategy=ties", "--outer.prune=random",
                          "--run.checkpoint_every=3")
@@ -891,6 +891,6 @@ def run_seated(trainers: list) -> list[dict]:
 
 def parameters_sha256(trainer) -> str:
     """The sha256 of a Trainer's global parameters."""
-    from isoloco_ray.workers import checkpoint
+    from isoloco_ray.workers.state import checkpoint
 
     return checkpoint.parameters_sha256(trainer.global_params)

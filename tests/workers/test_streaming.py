@@ -10,18 +10,18 @@ import math
 
 import pytest
 import torch
+from helpers import TINY_RUN, learning_flags
 from pydantic import ValidationError
 from transformers import LlamaForCausalLM
 
-from helpers import TINY_RUN, learning_flags
 from isoloco_ray.config import load_config
 from isoloco_ray.strategies import STRATEGIES, OuterMerge
 from isoloco_ray.workers import plain_loop
-from isoloco_ray.workers.checkpoint import CheckpointError, parameters_sha256
-from isoloco_ray.workers.fragments import round_events, split_fragments
 from isoloco_ray.workers.local import StopAfterRound, run_local
 from isoloco_ray.workers.model import llama_config
 from isoloco_ray.workers.replica import Replica
+from isoloco_ray.workers.rounds.fragments import round_events, split_fragments
+from isoloco_ray.workers.state.checkpoint import CheckpointError, parameters_sha256
 
 # The references in this process on one thread, as run_local's ranks: on some CPUs (an AMD
 # EPYC) MKL splits float64 work by thread count, and tsv and isocts then differ in the last bit.
@@ -281,7 +281,7 @@ def test_a_diverged_replica_starts_again_from_the_global_parameters(small_datase
 
 
 def test_a_failing_background_sync_raises_where_it_lands():
-    from isoloco_ray.workers.overlap import Background
+    from isoloco_ray.workers.rounds.overlap import Background
 
     background = Background(torch.device("cpu"))
 
@@ -345,7 +345,7 @@ def test_placements_and_compressed_transport_with_streaming(small_dataset, strat
 
 def test_the_sync_thread_runs_on_one_cpu_thread_and_leaves_the_training_threads_alone():
     """Two OpenMP teams outnumbering the cores slow every team down (overlap.py)."""
-    from isoloco_ray.workers.overlap import Background
+    from isoloco_ray.workers.rounds.overlap import Background
 
     before = torch.get_num_threads()
     background = Background(torch.device("cpu"))

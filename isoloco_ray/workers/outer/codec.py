@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from isoloco_ray.strategies import WIRE_FORMATS
-from isoloco_ray.workers.collectives import flatten, unflatten
 from isoloco_ray.workers.outer.chunk_topk_codec import ChunkTopKCodec
+from isoloco_ray.workers.parallel.collectives import flatten, unflatten
 
 # Each of strategies.WIRE_FORMATS, by kind: a cast to a torch dtype, or row-wise codes whose
 # largest value a row's max maps to (checked below: one implementation per format).

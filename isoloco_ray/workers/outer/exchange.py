@@ -23,11 +23,11 @@ import torch
 
 from isoloco_ray.config import OuterConfig
 from isoloco_ray.strategies import OuterMerge, Route
-from isoloco_ray.workers.collectives import Group
 from isoloco_ray.workers.outer.codec import Codec, wire_bytes
 from isoloco_ray.workers.outer.payload import Payloads
 from isoloco_ray.workers.outer.plan import OuterPlan
 from isoloco_ray.workers.outer.transport import Contributions, Payload, Transport
+from isoloco_ray.workers.parallel.collectives import Group
 
 
 class Exchange(ABC):

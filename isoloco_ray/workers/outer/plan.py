@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from isoloco_ray.strategies import MERGES, PLACEMENTS
-from isoloco_ray.workers.collectives import BUCKET_BYTES, buckets
+from isoloco_ray.workers.parallel.collectives import BUCKET_BYTES, buckets
 
 
 def merge_cost(shape: torch.Size, merge: str, replicas: int, orthogonalize_update: bool = False

@@ -16,7 +16,7 @@ every rank:
 With a replica spread over G workers there are G outer groups, one per position within the
 replicas, and each steps only its share of the tensors (plan.position_shares): the caller
 then shares the new values within each replica (layout.ReplicaShard.share). Over a quorum
-(scaling.fault_tolerance: replica), quorum_sync.py's QuorumSync sends the same payload through
+(scaling.fault_tolerance: replica), quorum/sync.py's QuorumSync sends the same payload through
 the worker's seat and merges what the contributors sent, as `step` would have.
 """
 
@@ -34,10 +34,15 @@ from isoloco_ray import aggregators
 from isoloco_ray.aggregators.merge import implementation
 from isoloco_ray.config import OuterConfig, settled
 from isoloco_ray.strategies import OuterMerge, Route
-from isoloco_ray.workers.collectives import Group, all_reduce_scalars, group_rank, group_size
 from isoloco_ray.workers.outer.exchange import Exchange
 from isoloco_ray.workers.outer.plan import OuterPlan, position_shares
 from isoloco_ray.workers.outer.transport import Contributions
+from isoloco_ray.workers.parallel.collectives import (
+    Group,
+    all_reduce_scalars,
+    group_rank,
+    group_size,
+)
 
 
 @dataclass

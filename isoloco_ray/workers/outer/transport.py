@@ -24,7 +24,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from isoloco_ray.workers.collectives import (
+from isoloco_ray.strategies import WIRE_FORMATS
+from isoloco_ray.workers.outer.codec import codec_for, wire_bytes
+from isoloco_ray.workers.outer.plan import OuterPlan
+from isoloco_ray.workers.parallel.collectives import (
     Group,
     TrafficCounter,
     all_gather_flat,
@@ -35,9 +38,6 @@ from isoloco_ray.workers.collectives import (
     group_rank,
     group_size,
 )
-from isoloco_ray.strategies import WIRE_FORMATS
-from isoloco_ray.workers.outer.codec import codec_for, wire_bytes
-from isoloco_ray.workers.outer.plan import OuterPlan
 
 Payload = Mapping[str, list[torch.Tensor]]
 # name -> (source rank -> that rank's payload tensors of the name)

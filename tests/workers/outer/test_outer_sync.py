@@ -11,12 +11,12 @@ import zlib
 import pytest
 import torch
 
-from isoloco_ray.workers.outer.codec import codec_for
-from isoloco_ray.workers.local import in_gloo_group
 from isoloco_ray.config import MODEL_PRESETS, load_config
+from isoloco_ray.strategies import PLACEMENTS, STRATEGIES, WIRE_FORMATS, OuterMerge
+from isoloco_ray.workers.local import in_gloo_group
+from isoloco_ray.workers.outer.codec import codec_for
 from isoloco_ray.workers.outer.plan import OuterPlan, assign_owners, merge_cost
 from isoloco_ray.workers.outer.step import OuterSync
-from isoloco_ray.strategies import PLACEMENTS, STRATEGIES, WIRE_FORMATS, OuterMerge
 
 REPLICAS, RANKS, ROUNDS = 8, 4, 3
 SHAPES = {"embed": (48, 16), "q": (16, 16), "k": (8, 16), "norm": (16,), "up": (40, 16),
@@ -505,7 +505,7 @@ def run_spread_steps(rank: int, world: int, positions: int) -> dict:
     every SPREAD_RUNS variant for ROUNDS rounds, then the share within the replica."""
     import torch.distributed as dist
 
-    from isoloco_ray.workers.layout import ReplicaShard
+    from isoloco_ray.workers.parallel.layout import ReplicaShard
 
     same_position = [list(range(p, world, positions)) for p in range(positions)]
     outer_group, _ = dist.new_subgroups_by_enumeration(same_position)

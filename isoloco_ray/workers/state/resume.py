@@ -22,7 +22,7 @@ from typing import Any
 
 from isoloco_ray import strict_json
 from isoloco_ray.own_files import replace_file
-from isoloco_ray.workers import checkpoint
+from isoloco_ray.workers.state import checkpoint
 
 # Ray Train's record of a run's checkpoints, in the run directory, rewritten in place after
 # each checkpoint.

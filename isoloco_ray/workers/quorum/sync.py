@@ -2,7 +2,7 @@
 round, whoever they are, instead of a fixed outer group.
 
 `QuorumSync` is an OuterSync whose payloads travel through the worker's quorum seat
-(workers/quorum.py) instead of the outer group's collectives: each worker packs the payload
+(workers/quorum/seat.py) instead of the outer group's collectives: each worker packs the payload
 `OuterSync.step` would send (its exchange's `pack`, as one flat tensor on the wire), the seat
 all-gathers the contributors' payloads, and every participant merges them exactly as `step`
 merges the replicas it has (placement replicated: every worker merges every tensor). The plain
@@ -20,7 +20,7 @@ from isoloco_ray.strategies import OuterMerge, Route
 from isoloco_ray.workers.outer.codec import codec_for, wire_bytes
 from isoloco_ray.workers.outer.step import OuterStepStats, OuterSync, stopwatch
 from isoloco_ray.workers.outer.transport import Contributions
-from isoloco_ray.workers.quorum import CommittedSync, Contribution, QuorumSeat
+from isoloco_ray.workers.quorum.seat import CommittedSync, Contribution, QuorumSeat
 
 
 def quorum_numel(outer: OuterConfig, shapes: Sequence[torch.Size], hosted_per_worker: int
@@ -54,7 +54,7 @@ class QuorumSync(OuterSync):
                     feedback: Mapping[int, dict[str, torch.Tensor]] | None = None
                     ) -> tuple[OuterStepStats, CommittedSync]:
         """The outer step over the workers alive this round (scaling.fault_tolerance:
-        replica). This worker's payload goes to the round's quorum (quorum.py): the sum of its
+        replica). This worker's payload goes to the round's quorum (quorum/seat.py): the sum of its
         good hosted Δ_r when the merge needs only their mean, else each hosted Δ_r (pruned
         where hosted, as `step` sends them). Every participant then merges what the
         contributors sent, in rank order, exactly as `step` merges the replicas it has: the

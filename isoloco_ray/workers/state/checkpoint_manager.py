@@ -27,11 +27,11 @@ from typing import Any, Protocol
 import torch
 
 from isoloco_ray.config import TrainConfig, config_differences
-from isoloco_ray.workers.round_metrics import Metrics
-from isoloco_ray.workers import checkpoint
-from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.outer.step import OuterSync
+from isoloco_ray.workers.parallel.layout import WorkerLayout
 from isoloco_ray.workers.replica import Replica
+from isoloco_ray.workers.rounds.round_metrics import Metrics
+from isoloco_ray.workers.state import checkpoint
 
 
 class Stateful(Protocol):

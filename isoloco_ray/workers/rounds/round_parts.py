@@ -1,4 +1,4 @@
-"""What a round runner (diloco_rounds.py, data_parallel_rounds.py) works on: `RoundParts`,
+"""What a round runner (rounds/diloco.py, rounds/data_parallel.py) works on: `RoundParts`,
 the parts of a worker's training state that the Trainer (loop.py) owns, saves and passes in.
 A runner reads them and updates them in place, and knows nothing else of the Trainer."""
 
@@ -10,9 +10,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from isoloco_ray.config import TrainConfig
-from isoloco_ray.workers.layout import WorkerLayout
 from isoloco_ray.workers.model import Runtime
 from isoloco_ray.workers.outer.step import OuterSync
+from isoloco_ray.workers.parallel.layout import WorkerLayout
 from isoloco_ray.workers.replica import Replica
 from isoloco_ray.workers.worker_env import WorkerEnv
 

@@ -19,7 +19,7 @@ import statistics
 import time
 from collections import deque
 
-from isoloco_ray.workers.quorum import CommittedSync
+from isoloco_ray.workers.quorum.seat import CommittedSync
 
 # The recent syncs whose fastest contributor sets the budget (their median: one round slowed
 # by a checkpoint or a hiccup moves it little).

@@ -27,8 +27,8 @@ resumed run is therefore the same run on every rank, whatever its layout.
 
 Before a resume every worker checks the whole checkpoint, every file (`checkpoint_problems`),
 so all of them reach the same verdict from the same shared files; a damaged newest checkpoint
-gives way to the newest intact one (workers/resume.py), and with none intact the run stops with
-a message naming the bad files rather than starting over (which would discard the run).
+gives way to the newest intact one (resume.py), and with none intact the run stops with a
+message naming the bad files rather than starting over (which would discard the run).
 """
 
 from __future__ import annotations

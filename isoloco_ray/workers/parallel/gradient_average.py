@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from isoloco_ray.workers.collectives import (
+from isoloco_ray.workers.parallel.collectives import (
     BUCKET_BYTES,
     Group,
     TrafficCounter,

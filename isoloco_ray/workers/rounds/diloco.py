@@ -1,7 +1,7 @@
 """One DiLoCo round of a worker: H inner steps on every hosted replica, then the outer step of
 every tensor, landed into the replicas. Streaming (outer.fragments, delay, mix) runs these
-rounds' steps in another order (streaming_rounds.py); over a quorum their sync goes through the
-worker's seat (quorum_rounds.py)."""
+rounds' steps in another order (rounds/streaming.py); over a quorum their sync goes through the
+worker's seat (quorum/rounds.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from isoloco_ray.data.format import DataError
 from isoloco_ray.workers.agreement import stop_if_any_rank_failed
 from isoloco_ray.workers.outer.step import OuterStepStats, stopwatch
-from isoloco_ray.workers.quorum import CommittedSync
-from isoloco_ray.workers.round_parts import RoundParts
+from isoloco_ray.workers.quorum.seat import CommittedSync
+from isoloco_ray.workers.rounds.round_parts import RoundParts
 
 # The hosted replicas' Δ_r of one fragment, as an outer step takes them: the global tensors it
 # updates, each replica's Δ_r, the replicas that diverged, their error-feedback residuals.

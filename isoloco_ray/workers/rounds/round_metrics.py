@@ -10,8 +10,8 @@ import torch
 
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.metrics import RoundMetrics
-from isoloco_ray.workers.collectives import all_gather_scalars, all_reduce_scalars
 from isoloco_ray.workers.outer.step import OuterStepStats
+from isoloco_ray.workers.parallel.collectives import all_gather_scalars, all_reduce_scalars
 
 # A report as Ray Train takes it: RoundMetrics.as_dict(), or a run summary.
 Metrics = dict[str, Any]

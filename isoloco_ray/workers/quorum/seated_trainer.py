@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from isoloco_ray.workers.checkpoint_manager import Roles
-from isoloco_ray.workers.data_parallel_rounds import DataParallelRounds
-from isoloco_ray.workers.diloco_rounds import DiLoCoRounds
 from isoloco_ray.workers.loop import Trainer
-from isoloco_ray.workers.outer.quorum_sync import QuorumSync
 from isoloco_ray.workers.outer.step import OuterSync
-from isoloco_ray.workers.quorum_rounds import QuorumRounds
-from isoloco_ray.workers.round_parts import RoundParts
+from isoloco_ray.workers.quorum.rounds import QuorumRounds
+from isoloco_ray.workers.quorum.sync import QuorumSync
+from isoloco_ray.workers.rounds.data_parallel import DataParallelRounds
+from isoloco_ray.workers.rounds.diloco import DiLoCoRounds
+from isoloco_ray.workers.rounds.round_parts import RoundParts
+from isoloco_ray.workers.state.checkpoint_manager import Roles
 
 # How long the workers at a (re)start wait for each other before the first round goes on with
 # those there (the others join later), and how often they look.
@@ -87,7 +87,7 @@ class SeatedTrainer(Trainer):
         worker in the sync is new: resume from storage, if at all, now).
 
         At a (re)start every worker's: repeated, for up to JOIN_WAIT_S, until every worker is
-        in it, so that all take the first round (quorum.py: the repeats apply nothing). For a
+        in it, so that all take the first round (quorum/seat.py: the repeats apply nothing). For a
         worker that replaces a lost one (or starts late), the others' next sync, where it is
         healed (`load_quorum_state`, their state before that sync) and applies the committed
         update with them; its replicas then go on from θ as if they had taken the rounds so

@@ -12,10 +12,10 @@ import torch
 
 from isoloco_ray.data.format import DataError
 from isoloco_ray.workers.agreement import stop_if_any_rank_failed
-from isoloco_ray.workers.collectives import TrafficCounter
-from isoloco_ray.workers.gradient_average import GradientAverage
 from isoloco_ray.workers.outer.step import OuterStepStats
-from isoloco_ray.workers.quorum import CommittedSync
+from isoloco_ray.workers.parallel.collectives import TrafficCounter
+from isoloco_ray.workers.parallel.gradient_average import GradientAverage
+from isoloco_ray.workers.quorum.seat import CommittedSync
 from isoloco_ray.workers.replica import (
     inner_step,
     load_parameters,
@@ -23,7 +23,7 @@ from isoloco_ray.workers.replica import (
     parameters_finite,
     snapshot_parameters,
 )
-from isoloco_ray.workers.round_parts import RoundParts
+from isoloco_ray.workers.rounds.round_parts import RoundParts
 
 
 class DataParallelRounds:

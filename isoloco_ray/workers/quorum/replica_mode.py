@@ -1,6 +1,6 @@
 """A Ray Train worker of a `scaling.fault_tolerance: replica` run (docs/fault_tolerance.md).
 
-Each worker is one torchft replica group with a quorum seat (quorum.py): its outer syncs run
+Each worker is one torchft replica group with a quorum seat (quorum/seat.py): its outer syncs run
 over the workers alive, and Ray Train replaces a lost worker alone. Nothing here goes through
 Ray Train's reports, each of which waits for every worker (a lost one would hold them all until
 Ray Train restarts the whole group, which this mode exists to avoid). Instead:
@@ -19,7 +19,7 @@ Ray Train restarts the whole group, which this mode exists to avoid). Instead:
   result, which the driver reads; a worker that has to stop writes why there instead.
 
 A worker replacing a lost one reads nothing from storage: it is healed by its peers in its
-first sync (θ, outer optimizer, counters; quorum.py says why it always is) and its replicas go
+first sync (θ, outer optimizer, counters; quorum/seat.py says why it always is) and its replicas go
 on from there (SeatedTrainer.join). Only workers that start the run together resume it from the
 newest checkpoint. If the run ends before it gets a quorum, it waits at most
 its quorum timeout, then returns. A worker still running `END_GRACE_S` after the run's result
@@ -47,16 +47,16 @@ from isoloco_ray import own_files, run_files, storage, strict_json
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import Dataset
 from isoloco_ray.fault_tolerance import min_quorum
-from isoloco_ray.workers import checkpoint, resume
 from isoloco_ray.workers.agreement import TrainingStopped
-from isoloco_ray.workers.checkpoint_manager import needed_files
-from isoloco_ray.workers.export import export_into_summary
 from isoloco_ray.workers.loop import Trainer
-from isoloco_ray.workers.seated_trainer import SeatedTrainer
 from isoloco_ray.workers.model import parameter_shapes
-from isoloco_ray.workers.outer.quorum_sync import quorum_numel
-from isoloco_ray.workers.quorum import QuorumSeat
-from isoloco_ray.workers.round_metrics import Metrics
+from isoloco_ray.workers.quorum.seat import QuorumSeat
+from isoloco_ray.workers.quorum.seated_trainer import SeatedTrainer
+from isoloco_ray.workers.quorum.sync import quorum_numel
+from isoloco_ray.workers.rounds.round_metrics import Metrics
+from isoloco_ray.workers.state import checkpoint, resume
+from isoloco_ray.workers.state.checkpoint_manager import needed_files
+from isoloco_ray.workers.state.export import export_into_summary
 from isoloco_ray.workers.worker_env import WorkerEnv
 
 # How long a worker may go on once the run's result is written (its last checkpoint files may

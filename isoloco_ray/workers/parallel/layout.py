@@ -20,13 +20,13 @@ import torch.distributed as dist
 from torch import nn
 
 from isoloco_ray.config import ScalingConfig
-from isoloco_ray.workers.collectives import (
+from isoloco_ray.workers.outer.plan import OuterPlan
+from isoloco_ray.workers.outer.transport import Transport
+from isoloco_ray.workers.parallel.collectives import (
     Group,
     all_reduce_scalars,
 )
-from isoloco_ray.workers.gradient_average import GradientAverage
-from isoloco_ray.workers.outer.plan import OuterPlan
-from isoloco_ray.workers.outer.transport import Transport
+from isoloco_ray.workers.parallel.gradient_average import GradientAverage
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """DiLoCo rounds over a quorum (scaling.fault_tolerance: replica): the plain rounds
-(diloco_rounds.py) with each sync taken by the workers alive in it (QuorumSync through the
+(rounds/diloco.py) with each sync taken by the workers alive in it (QuorumSync through the
 worker's seat), a straggler deadline on the inner steps, a data error stopping every worker of
 the quorum, and a worker healed in a sync going on as a replacement does. The Trainer runs these
 rounds when its worker has a seat; the plain rounds know nothing of quorums."""
@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from isoloco_ray.workers.agreement import TrainingStopped
-from isoloco_ray.workers.diloco_rounds import DiLoCoRounds
-from isoloco_ray.workers.outer.quorum_sync import QuorumSync
 from isoloco_ray.workers.outer.step import OuterStepStats
-from isoloco_ray.workers.quorum import CommittedSync
-from isoloco_ray.workers.round_parts import RoundParts
-from isoloco_ray.workers.straggler_deadline import StragglerDeadline
+from isoloco_ray.workers.quorum.seat import CommittedSync
+from isoloco_ray.workers.quorum.straggler_deadline import StragglerDeadline
+from isoloco_ray.workers.quorum.sync import QuorumSync
+from isoloco_ray.workers.rounds.diloco import DiLoCoRounds
+from isoloco_ray.workers.rounds.round_parts import RoundParts
 
 
 class QuorumRounds(DiLoCoRounds):

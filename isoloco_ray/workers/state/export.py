@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from isoloco_ray import storage
 from isoloco_ray.data.format import load_tokenizer
-from isoloco_ray.workers.checkpoint import parameters_sha256
+from isoloco_ray.workers.state.checkpoint import parameters_sha256
 
 # Beside the model of a run that diverged (its summary says why too).
 DIVERGED_FILE = "DIVERGED.txt"

@@ -1,5 +1,5 @@
 """Streaming DiLoCo rounds (outer.fragments, outer.delay, outer.mix): the plain rounds'
-inner steps and outer steps (diloco_rounds.py), in the order fragments.round_events gives: each
+inner steps and outer steps (rounds/diloco.py), in the order fragments.round_events gives: each
 fragment's sync starts when its share of the round's steps is done, at once or in the
 background (outer.delay), and lands `delay` steps later, mixed into the replicas (outer.mix).
 Every sync has landed at a round's end, where evaluations and checkpoints are taken."""
@@ -11,11 +11,11 @@ from concurrent.futures import Future
 
 import torch
 
-from isoloco_ray.workers.diloco_rounds import DiLoCoRounds
-from isoloco_ray.workers.fragments import round_events
 from isoloco_ray.workers.outer.step import OuterStepStats
-from isoloco_ray.workers.overlap import Background
-from isoloco_ray.workers.round_parts import RoundParts
+from isoloco_ray.workers.rounds.diloco import DiLoCoRounds
+from isoloco_ray.workers.rounds.fragments import round_events
+from isoloco_ray.workers.rounds.overlap import Background
+from isoloco_ray.workers.rounds.round_parts import RoundParts
 
 
 class StreamingRounds(DiLoCoRounds):
