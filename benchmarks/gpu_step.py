@@ -23,7 +23,8 @@ import torch
 from isoloco_ray import gpu_memory
 from isoloco_ray.config import InnerConfig, ModelConfig, load_config
 from isoloco_ray.workers.model import Runtime, build_model, count_parameters, parameter_shapes
-from isoloco_ray.workers.replica import inner_step, make_inner_optimizer
+from isoloco_ray.workers.inner_optimizer import make_inner_optimizer
+from isoloco_ray.workers.replica import inner_step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,8 +4,9 @@ and the fix instead of failing out of memory in every worker, run.max_failures t
 
 The training state is counted exactly (everything is float32, laid out by workers/): the scratch
 model, its gradients, the global parameters θ, each hosted replica's own parameters (when a
-worker hosts several), AdamW moments and error-feedback residual, and the outer momentum of the
-tensors the worker owns. A run whose state alone exceeds the smallest GPU is refused. What a step
+worker hosts several), the inner optimizer's moments (AdamW's two; Muon's one of each hidden
+matrix) and error-feedback residual, and the outer momentum of the tensors the worker owns. A
+run whose state alone exceeds the smallest GPU is refused. What a step
 and a sync hold on top of it is an estimate (activations and logits of one micro-batch, the
 pseudo-gradients a merge gathers and its float64 work): a run estimated above 90% of the GPU
 gets a warning naming the settings that lower it. `benchmarks/gpu_check.sh` records the peak
@@ -99,13 +100,21 @@ def estimate(cfg: TrainConfig, shapes: Mapping[str, Sequence[int]], vocab_size: 
     hosted = scaling.replicas_per_worker_at(workers)
     spec = STRATEGIES[outer.strategy]
     model = FLOAT32 * params
+    # AdamW keeps two moments of every parameter; Muon one of each matrix it takes.
+    moments, moments_name = 2 * params, "AdamW moments"
+    if cfg.inner.optimizer == "muon":
+        from isoloco_ray.workers.inner_optimizer import muon_takes
+
+        moments -= sum(math.prod(shape) for name, shape in shapes.items()
+                       if muon_takes(name, shape))
+        moments_name = "Muon and AdamW moments"
     state = {
         "parameters": model,
         "gradients": model,
         "global parameters": model,
         # A worker hosting one replica trains it in the model itself.
         "replicas' own parameters": model * hosted if hosted > 1 else 0,
-        "AdamW moments": 2 * model * (1 if not spec.has_outer_step else hosted),
+        moments_name: FLOAT32 * moments * (1 if not spec.has_outer_step else hosted),
         "error-feedback residuals": model * hosted if outer.error_feedback else 0,
     }
     sync: dict[str, int] = {}

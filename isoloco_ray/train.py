@@ -205,7 +205,8 @@ def start_line(cfg: TrainConfig, data_dir: Path) -> str:
     workers, threads = cfg.scaling.num_workers, cfg.scaling.torch_threads
     return (f"isoloco_ray: {cfg.outer.strategy}, R={cfg.scaling.replicas} on {workers} "
             f"worker{'s' if workers > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}, "
-            f"model {cfg.model.preset}, {cfg.run.rounds} rounds x H={cfg.inner.steps}, "
+            f"model {cfg.model.preset}, {cfg.run.rounds} rounds x H={cfg.inner.steps}"
+            f"{' (inner Muon+AdamW)' if cfg.inner.optimizer == 'muon' else ''}, "
             f"data {data_dir}")
 
 

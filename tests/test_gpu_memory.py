@@ -54,6 +54,8 @@ def held_bytes(trainer: Trainer) -> int:
      "--outer.error_feedback=true", "--outer.strategy=tsv"],
     ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--outer.fragments=2",
      "--outer.mix=0.5", "--outer.strategy=ties"],  # streaming: replicas keep their own θ_r
+    # Muon: one moment of each hidden matrix, AdamW's two of the rest.
+    ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--inner.optimizer=muon"],
 ])
 def test_the_state_is_counted_exactly(small_dataset, flags):
     cfg = load_config(TINY + flags)

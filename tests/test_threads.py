@@ -93,6 +93,10 @@ def test_the_start_line_says_workers_and_threads():
                        "--scaling.cpus_per_worker=1", "--outer.strategy=isoloco"])
     assert start_line(one, data).startswith("isoloco_ray: isoloco, R=8 on 1 worker x 1 "
                                             "thread, model demo")
+    muon = load_config(["--scaling.cpus_per_worker=2", "--inner.optimizer=muon"])
+    assert start_line(muon, data) == ("isoloco_ray: diloco, R=4 on 2 workers x 2 threads, "
+                                      "model demo, 12 rounds x H=20 (inner Muon+AdamW), data "
+                                      "/data/demo")
 
 
 def test_a_cluster_too_small_for_the_default_is_refused_before_ray(small_dataset, tmp_path,

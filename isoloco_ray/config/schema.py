@@ -262,9 +262,21 @@ class ScalingConfig(Section):
         return max(1, math.floor(self.worker_cpus))
 
 
-class InnerConfig(Section):
-    """Each replica's local AdamW (docs/strategies.md, "Notation")."""
+# Muon's momentum where inner.optimizer is muon and inner.muon_momentum is unset (torch's
+# default, and MuLoCo's).
+MUON_MOMENTUM = 0.95
 
+
+class InnerConfig(Section):
+    """Each replica's local optimizer (docs/strategies.md, "Notation"): AdamW, or Muon on the
+    hidden weight matrices and AdamW on the rest (workers/inner_optimizer.py)."""
+
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="adamw, or muon: Muon (torch.optim.Muon, its update scaled to "
+        "AdamW's RMS) on the hidden weight matrices, AdamW on embeddings, head and norms")
+    muon_momentum: float | None = Field(None, ge=0, lt=1, description="Muon's Nesterov "
+                                        f"momentum (inner.optimizer muon; default "
+                                        f"{MUON_MOMENTUM})")
     lr: float | None = Field(None, gt=0, description="peak inner lr (default: the strategy's "
                              "paper value)")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
@@ -283,6 +295,16 @@ class InnerConfig(Section):
             raise ValueError(f"inner.betas {list(betas)}: each must be in [0, 1), e.g. "
                              "[0.9, 0.95]")
         return betas
+
+    @model_validator(mode="after")
+    def _settle_muon_momentum(self) -> InnerConfig:
+        if self.optimizer == "muon":
+            if self.muon_momentum is None:
+                self.muon_momentum = MUON_MOMENTUM
+        elif self.muon_momentum is not None:
+            raise ValueError(f"inner.muon_momentum {self.muon_momentum:g} has no effect with "
+                             "inner.optimizer adamw: set inner.optimizer=muon, or drop it")
+        return self
 
 
 class OuterConfig(Section):

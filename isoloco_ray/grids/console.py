@@ -60,7 +60,8 @@ def print_trials(trials: list[Trial]) -> None:
         print(f"  {trial.name:<{width}}  R={cfg.scaling.replicas} on {workers} "
               f"{'GPU ' if cfg.scaling.use_gpu else ''}worker{'s' if workers > 1 else ''}, "
               f"{cfg.run.rounds} rounds x H={cfg.inner.steps}, "
-              f"{cfg.run.rounds * cfg.tokens_per_round:,} tokens, inner lr {cfg.inner.lr:g}"
+              f"{cfg.run.rounds * cfg.tokens_per_round:,} tokens, inner "
+              f"{'Muon+AdamW ' if cfg.inner.optimizer == 'muon' else ''}lr {cfg.inner.lr:g}"
               + (f", outer lr {cfg.outer.lr:g}" if cfg.outer.has_outer_step else "")
               + f" | {describe(trial.overrides)}")
 

@@ -1,11 +1,11 @@
 """DiLoCo written plainly, in one process: the algorithm of docs/strategies.md on a page.
 
-Every replica is a model of its own with its AdamW, LR schedule and data stream; each takes H
-inner steps on whole batches; then one outer step of the package's OuterSync (its merges,
-codecs and error feedback are checked against plain references of their own in the tests)
-turns every Δ_r = θ − θ_r into the update of θ, and every replica starts again from θ.
-`streaming_run` is the same with the streaming settings (outer.fragments, delay, mix) written
-straight from their definition.
+Every replica is a model of its own with its inner optimizer (AdamW, or Muon and AdamW), LR
+schedule and data stream; each takes H inner steps on whole batches; then one outer step of
+the package's OuterSync (its merges, codecs and error feedback are checked against plain
+references of their own in the tests) turns every Δ_r = θ − θ_r into the update of θ, and
+every replica starts again from θ. `streaming_run` is the same with the streaming settings
+(outer.fragments, delay, mix) written straight from their definition.
 
 Not how a run trains (workers/loop.py's Trainer: replicas taking turns in one scratch model,
 micro-batches, process groups, checkpoints, a background sync), but what it computes: the
@@ -28,15 +28,15 @@ from isoloco_ray.data.stream import ReplicaStream, read_with_pyarrow, replica_sh
 from isoloco_ray.strategies import OuterMerge
 from isoloco_ray.workers.model import build_model
 from isoloco_ray.workers.outer.step import OuterSync, outer_optimizer
-from isoloco_ray.workers.replica import make_inner_optimizer, schedule_at
+from isoloco_ray.workers.inner_optimizer import make_inner_optimizer, schedule_at
 from isoloco_ray.workers.rounds.fragments import split_fragments
 
-# A reference loop's replica: its model, its AdamW with its LR schedule, its data stream.
-ReferenceReplica = tuple[LlamaForCausalLM, tuple[torch.optim.AdamW, LambdaLR], ReplicaStream]
+# A reference loop's replica: its model, its inner optimizer with its LR schedule, its data stream.
+ReferenceReplica = tuple[LlamaForCausalLM, tuple[torch.optim.Optimizer, LambdaLR], ReplicaStream]
 
 
 def make_replicas(cfg: TrainConfig, data_dir: DataDir) -> list[ReferenceReplica]:
-    """Every replica of a reference loop: (its model, AdamW with its LR schedule, its data
+    """Every replica of a reference loop: (its model, inner optimizer with its LR schedule, its data
     stream), the model starting from the run's seed."""
     replicas, total = cfg.scaling.replicas, cfg.resolved.rounds * cfg.inner.steps
     dataset = Dataset.open(data_dir)
@@ -51,9 +51,9 @@ def make_replicas(cfg: TrainConfig, data_dir: DataDir) -> list[ReferenceReplica]
 
 
 def inner_step(cfg: TrainConfig, model: LlamaForCausalLM,
-               optimizer_and_schedule: tuple[torch.optim.AdamW, LambdaLR],
+               optimizer_and_schedule: tuple[torch.optim.Optimizer, LambdaLR],
                stream: ReplicaStream) -> None:
-    """One inner AdamW step on a whole batch, the gradient clipped as the loop clips it."""
+    """One inner optimizer step on a whole batch, the gradient clipped as the loop clips it."""
     optimizer, schedule = optimizer_and_schedule
     optimizer.zero_grad(set_to_none=True)
     batch = stream.next_batch()

@@ -1,4 +1,5 @@
-"""One DiLoCo replica: its inner AdamW, LR schedule and data stream, and its H inner steps.
+"""One DiLoCo replica: its inner optimizer (AdamW, or Muon and AdamW: inner_optimizer.py), LR
+schedule and data stream, and its H inner steps.
 
 Replicas hosted by one worker share the worker's single model module: each round every replica
 starts from the same global parameters, so the module is simply reloaded with them before a
@@ -8,7 +9,6 @@ declared at the top of `Replica`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,46 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from isoloco_ray.config import InnerConfig, settled
+from isoloco_ray.config import InnerConfig
 from isoloco_ray.data.stream import ReplicaStream, StreamPosition
+from isoloco_ray.workers.inner_optimizer import make_inner_optimizer, schedule_at
 from isoloco_ray.workers.model import Runtime
 from isoloco_ray.workers.parallel.gradient_average import GradientAverage
 from isoloco_ray.workers.parallel.layout import ReplicaShard
 from isoloco_ray.workers.state.checkpoint import CheckpointError
-
-
-def warmup_cosine(step: int, total_steps: int, warmup_fraction: float) -> float:
-    """LR multiplier (docs/strategies.md): linear warmup from 0.1x, then cosine down to 0.1x
-    at the end."""
-    warmup_steps = int(warmup_fraction * total_steps)
-    if step < warmup_steps:
-        return 0.1 + 0.9 * step / warmup_steps
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def make_inner_optimizer(model: nn.Module, inner: InnerConfig, total_steps: int,
-                         fused: bool = False
-                         ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over `model`'s parameters with the warmup-cosine schedule over `total_steps`."""
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=settled(inner.lr, "inner.lr"), betas=inner.betas,
-        weight_decay=settled(inner.weight_decay, "inner.weight_decay"), fused=fused or None)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, total_steps, inner.warmup))
-    return optimizer, schedule
-
-
-def schedule_at(optimizer: torch.optim.Optimizer, schedule: torch.optim.lr_scheduler.LambdaLR,
-                steps_done: int) -> None:
-    """Put `schedule` (and `optimizer`'s lr) where `steps_done` of its steps leave it, bit for
-    bit: LambdaLR sets lr = base_lr · λ(step) afresh at every step."""
-    schedule.last_epoch = steps_done
-    lrs = [base * factor(steps_done)
-           for base, factor in zip(schedule.base_lrs, schedule.lr_lambdas)]
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    schedule._last_lr = lrs  # what get_last_lr() reports, as after a step
 
 
 def accumulate_gradients(runtime: Runtime, batch: torch.Tensor, micro_batch_size: int,
@@ -84,7 +51,7 @@ def inner_step(runtime: Runtime, optimizer: torch.optim.Optimizer,
                schedule: torch.optim.lr_scheduler.LRScheduler, batches: Sequence[torch.Tensor],
                micro_batch_size: int, clip: float | None,
                average: GradientAverage | None = None) -> torch.Tensor:
-    """One inner AdamW step, as every training path takes it: the gradients of each batch's
+    """One inner optimizer step, as every training path takes it: the gradients of each batch's
     mean loss add up in `.grad`, `average` (if any) averages them with the other workers that
     share the step (its all-reduces start during the last backward), then clipping, the
     optimizer and the LR schedule. Returns the batches' summed mean losses as a device tensor
@@ -112,7 +79,7 @@ class Replica:
     # every sync unless outer.fragments, delay or mix are set (OuterConfig.streaming): only
     # then does a checkpoint hold them. A worker hosting one replica keeps them in the model.
     params: dict[str, torch.Tensor]
-    optimizer: torch.optim.AdamW
+    optimizer: torch.optim.Optimizer  # AdamW, or MuonAdamW (inner.optimizer)
     schedule: torch.optim.lr_scheduler.LambdaLR
     stream: ReplicaStream
     # outer.error_feedback: what the outer sync's transport lost of this replica's
@@ -194,7 +161,7 @@ class Replica:
                 self.params[name].copy_(mix * self.params[name] + (1 - mix) * global_params[name])
 
     def reset(self, global_params: Mapping[str, torch.Tensor]) -> None:
-        """Start again from the global parameters with AdamW's moments forgotten (after a
+        """Start again from the global parameters with the optimizer's moments forgotten (after a
         diverged replica was left out of a merge: its parameters and moments may be NaN); the
         LR schedule and the stream go on."""
         self.take_global(global_params, list(self.params))
@@ -203,9 +170,9 @@ class Replica:
 
     def rejoin(self, steps_done: int, global_params: Mapping[str, torch.Tensor]) -> None:
         """Go on as a replica that took no part in the syncs so far but is due to start inner
-        step `steps_done` + 1 now (its worker was lost, or replaced): θ_r ← θ, AdamW's moments
-        forgotten, the LR schedule at step `steps_done`, and the stream where `steps_done`
-        batches from the start leave it (a function of the count: ReplicaStream.
+        step `steps_done` + 1 now (its worker was lost, or replaced): θ_r ← θ, the optimizer's
+        moments forgotten, the LR schedule at step `steps_done`, and the stream where
+        `steps_done` batches from the start leave it (a function of the count: ReplicaStream.
         position_after), so it reads what it would have read; nothing else of the past is
         kept (error-feedback residual)."""
         self.reset(global_params)
@@ -214,8 +181,9 @@ class Replica:
         self.feedback = {}
 
     def state_dict(self) -> dict[str, Any]:
-        """AdamW state, LR schedule, stream position, error-feedback residual (if any) and,
-        with `keeps_params`, the parameters and `losses_finite`: tensors and plain values only.
+        """Inner optimizer state, LR schedule, stream position, error-feedback residual (if
+        any) and, with `keeps_params`, the parameters and `losses_finite`: tensors and plain
+        values only.
         The position is the count of sequences read this epoch and, to check it on resume, the
         shard file (its name) and row it stands at."""
         shard, row = self.stream.where()

@@ -495,3 +495,18 @@ def test_a_bad_environment_variable_is_one_line_naming_it_before_anything_starts
         err = capsys.readouterr().err
         assert err.startswith(f"error: {variable}={value!r}: ") and why in err, err
         assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_muon_is_an_inner_optimizer_with_its_momentum_and_a_stray_momentum_is_refused():
+    cfg = load_config(["--inner.optimizer=muon"])
+    assert (cfg.inner.optimizer, cfg.inner.muon_momentum) == ("muon", 0.95)
+    assert TrainConfig.model_validate(cfg.model_dump(mode="json")) == cfg
+    assert load_config(["--inner.optimizer=muon", "--inner.muon_momentum=0.9"]
+                       ).inner.muon_momentum == 0.9
+    assert load_config([]).inner.muon_momentum is None
+    with pytest.raises(ConfigError, match=r"^inner.muon_momentum 0.9 has no effect with "
+                       r"inner.optimizer adamw: set inner.optimizer=muon, or drop it$"):
+        load_config(["--inner.muon_momentum=0.9"])
+    with pytest.raises(ConfigError, match=r"inner.optimizer: Input should be 'adamw' or "
+                       r"'muon' \(got 'sgd'\)"):
+        load_config(["--inner.optimizer=sgd"])

@@ -37,8 +37,11 @@ COMPRESSED = ["--outer.comm_dtype=int8", "--outer.error_feedback=true"]
     ["--outer.strategy=diloco", "--outer.topk=0.1", "--outer.error_feedback=true"],
     # SparseLoCo: each replica's decayed accumulator under 2-bit chunk top-k codes.
     ["--outer.strategy=sparseloco"],
+    # Muon inside (its momentum and AdamW's moments), for a replica and for adamw_ddp's one.
+    ["--outer.strategy=diloco", "--inner.optimizer=muon"],
+    ["--outer.strategy=adamw_ddp", "--inner.optimizer=muon"],
 ], ids=["diloco", "dare", "tsv", "adamw_ddp", "tsv-int8-feedback", "dare-float8-feedback",
-        "diloco-topk-feedback", "sparseloco"])
+        "diloco-topk-feedback", "sparseloco", "diloco-muon", "adamw_ddp-muon"])
 def test_interrupted_and_resumed_run_is_bit_identical(small_dataset, tmp_path, flags):
     cfg = load_config(RUN + flags)
     whole, whole_params = run_local(cfg, small_dataset)

@@ -197,7 +197,8 @@ TINY = TINY_RUN + ["--inner.steps=3", "--run.rounds=2", "--data.micro_batch_size
 @pytest.mark.parametrize("strategy, per_worker", [
     *((name, 4) for name in OUTER_STEP_STRATEGIES),
     ("diloco", 2), ("tsv", 2), ("ties --outer.comm_dtype=int8 --outer.error_feedback=true", 2),
-    ("isocts --outer.comm_dtype=bfloat16", 2), ("dare --outer.comm_dtype=float8", 2)])
+    ("isocts --outer.comm_dtype=bfloat16", 2), ("dare --outer.comm_dtype=float8", 2),
+    ("diloco --inner.optimizer=muon", 4), ("tsv --inner.optimizer=muon", 2)])
 def test_one_fragment_without_delay_or_mix_is_the_plain_outer_step_bit_for_bit(
         small_dataset, strategy, per_worker):
     """4 replicas in one process, or 2 on each of 2 gloo ranks, against `plain_loop.run`."""

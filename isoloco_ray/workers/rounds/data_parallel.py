@@ -16,10 +16,10 @@ from isoloco_ray.workers.outer.step import OuterStepStats
 from isoloco_ray.workers.parallel.collectives import TrafficCounter
 from isoloco_ray.workers.parallel.gradient_average import GradientAverage
 from isoloco_ray.workers.quorum.seat import CommittedSync
+from isoloco_ray.workers.inner_optimizer import make_inner_optimizer
 from isoloco_ray.workers.replica import (
     inner_step,
     load_parameters,
-    make_inner_optimizer,
     parameters_finite,
     snapshot_parameters,
 )
@@ -27,11 +27,11 @@ from isoloco_ray.workers.rounds.round_parts import RoundParts
 
 
 class DataParallelRounds:
-    """Runs a worker's adamw_ddp rounds on the Trainer's parts (round_parts.py); its one AdamW
-    and LR schedule over the global model are alike on every rank and saved by rank 0
-    (checkpoint.DATA_PARALLEL_FILE)."""
+    """Runs a worker's adamw_ddp rounds on the Trainer's parts (round_parts.py); its one inner
+    optimizer (inner.optimizer) and LR schedule over the global model are alike on every rank
+    and saved by rank 0 (checkpoint.DATA_PARALLEL_FILE)."""
 
-    optimizer: torch.optim.AdamW
+    optimizer: torch.optim.Optimizer
     schedule: torch.optim.lr_scheduler.LambdaLR
     committed: CommittedSync | None = None  # never: it runs over no quorum (refused below)
 
