@@ -239,7 +239,8 @@ def test_a_new_merge_with_an_option_is_one_registry_entry_and_trains(toy_merge,
         torch.testing.assert_close(value, (at_scale if value.dim() == 2 else at_one)[name],
                                    rtol=0, atol=1e-6)
         assert not torch.equal(at_scale[name], at_one[name])
-    assert "--outer.scale  (scaled) the factor on the mean" in strategy_options_help()
+    assert "--outer.scale  (scaled; default 0.5) the factor on the mean" in \
+        strategy_options_help()
     with pytest.raises(ValueError, match=r"^outer.scale: Input should be less than or equal "
                                          r"to 1 \(got '2'\)$"):
         load_config(["--outer.strategy=scaled", "--outer.scale=2"])
@@ -301,3 +302,22 @@ def test_the_route_is_chosen_once_from_strategy_placement_and_wire(flags, route)
     chosen = Route.choose(outer, OuterMerge.of(outer))
     assert chosen.name == route
     assert OuterSync(outer, 4, seed=0).route == chosen
+
+
+def test_help_names_each_options_default_per_strategy_where_they_differ():
+    from isoloco_ray.config.loading import strategy_options_help
+
+    text = strategy_options_help()
+    assert "--outer.sparsity  (ties, dare; default 0.1) " in text
+    assert "--outer.prune  (ties: default magnitude; dare: default random) " in text
+    assert "--outer.keep_fraction  (tsv) " in text  # its default depends on R: the text says
+
+
+def test_no_strategy_option_is_named_like_a_setting_of_the_outer_section():
+    """An option is an extra key of OuterConfig: one named like a field or property of it would
+    be taken by that instead, silently."""
+    taken = set(OuterConfig.model_fields) | {name for name in dir(OuterConfig)
+                                             if not name.startswith("_")}
+    for name, spec in STRATEGIES.items():
+        clashes = set(spec.options_model.model_fields) & taken
+        assert not clashes, f"{name}'s options {sorted(clashes)} are OuterConfig's names"

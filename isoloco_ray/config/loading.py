@@ -140,9 +140,15 @@ def strategy_options_help() -> str:
     takers = option_strategies()
     for path in strategy_option_paths():
         name = path.removeprefix("outer.")
-        model = STRATEGIES[takers[name][0]].options_model
-        lines.append(f"  --{path}  ({', '.join(takers[name])}) "
-                     f"{model.model_fields[name].description}")
+        fields = {strategy: STRATEGIES[strategy].options_model.model_fields[name]
+                  for strategy in takers[name]}
+        defaults = {strategy: field.default for strategy, field in fields.items()}
+        if len(set(map(repr, defaults.values()))) == 1:
+            default = next(iter(defaults.values()))
+            who = ", ".join(takers[name]) + ("" if default is None else f"; default {default}")
+        else:  # e.g. prune: ties drops the smallest, dare at random
+            who = "; ".join(f"{strategy}: default {value}" for strategy, value in defaults.items())
+        lines.append(f"  --{path}  ({who}) {next(iter(fields.values())).description}")
     return "\n".join(lines)
 
 

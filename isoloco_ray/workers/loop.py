@@ -76,7 +76,17 @@ class Trainer:
     bytes_total: int  # outer bytes the busiest rank received, summed over rounds
     bad_rounds: int  # consecutive rounds skipped because every replica diverged
 
+    # Whether its outer syncs go through env.seat (SeatedTrainer); the plain one refuses a seat
+    # rather than ignore it.
+    syncs_through_seat = False
+
     def __init__(self, cfg: TrainConfig, data: Path | Dataset, env: WorkerEnv) -> None:
+        if self.syncs_through_seat and env.seat is None:
+            raise ValueError(f"a {type(self).__name__} needs a quorum seat (WorkerEnv.seat)")
+        if env.seat is not None and not self.syncs_through_seat:
+            raise ValueError(f"a {type(self).__name__} takes no quorum seat (WorkerEnv.seat): "
+                             "a worker with a seat runs a SeatedTrainer "
+                             "(workers/quorum/seated_trainer.py)")
         self.cfg = cfg
         self.env = env
         self.layout = WorkerLayout.create(cfg.scaling, env.rank, env.world,

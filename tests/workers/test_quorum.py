@@ -894,3 +894,20 @@ def parameters_sha256(trainer) -> str:
     from isoloco_ray.workers.state import checkpoint
 
     return checkpoint.parameters_sha256(trainer.global_params)
+
+
+def test_a_seat_goes_with_a_seated_trainer_only(small_dataset):
+    """The plain Trainer has no quorum code: given a seat it refuses it rather than ignore it,
+    and a SeatedTrainer without one is refused too, before anything is built."""
+    from dataclasses import replace
+
+    from isoloco_ray.workers.local import local_env
+    from isoloco_ray.workers.loop import Trainer
+    from isoloco_ray.workers.quorum.seated_trainer import SeatedTrainer
+
+    cfg = load_config(["--model.preset=tiny", "--scaling.replicas_per_worker=4"])
+    with pytest.raises(ValueError, match=r"^a Trainer takes no quorum seat \(WorkerEnv.seat\): "
+                                         r"a worker with a seat runs a SeatedTrainer"):
+        Trainer(cfg, small_dataset, replace(local_env(), seat=object()))
+    with pytest.raises(ValueError, match=r"^a SeatedTrainer needs a quorum seat"):
+        SeatedTrainer(cfg, small_dataset, local_env())

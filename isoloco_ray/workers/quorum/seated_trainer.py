@@ -36,12 +36,11 @@ class SeatedTrainer(Trainer):
     """A Trainer whose outer syncs go through its worker's quorum seat (env.seat)."""
 
     joined: bool  # whether `join` ran (not state: each process joins)
+    syncs_through_seat = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.joined = False
         super().__init__(*args, **kwargs)
-        if self.env.seat is None:
-            raise ValueError("a SeatedTrainer needs a quorum seat (WorkerEnv.seat)")
 
     def _outer_sync(self) -> OuterSync:
         return QuorumSync(self.cfg.outer, self.cfg.scaling.replicas, self.cfg.run.seed)
