@@ -18,7 +18,7 @@ from isoloco_ray.workers.local import StopAfterRound, run_local
 from isoloco_ray.workers.outer.step import OuterSync
 from isoloco_ray.workers.replica import Replica
 from isoloco_ray.workers.state import checkpoint, resume
-from isoloco_ray.workers.state.checkpoint_manager import Roles, needed_files
+from isoloco_ray.workers.state.checkpoint_manager import Roles
 
 RUN = TINY_RUN + ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--inner.steps=2",
                   "--run.rounds=4", "--run.checkpoint_every=2", "--run.eval_tokens=512",
@@ -621,8 +621,8 @@ def test_replicas_of_a_worker_missing_from_the_round_are_not_needed_and_rejoin_a
     for replica in range(1, hosted):
         (directory / checkpoint.replica_file(replica)).unlink()
     assert checkpoint.checkpoint_problems(directory) == []
-    assert needed_files(state) <= {p.name for p in directory.iterdir()}
-    assert checkpoint.replica_file(1) not in needed_files(state)
+    assert checkpoint.needed_files(state) <= {p.name for p in directory.iterdir()}
+    assert checkpoint.replica_file(1) not in checkpoint.needed_files(state)
 
     restored = Trainer(cfg, small_dataset, local_env(restore_from=directory))
     rejoined = Trainer(cfg, small_dataset, local_env(restore_from=intact))
@@ -671,7 +671,7 @@ def test_every_file_of_a_checkpoint_is_written_by_exactly_one_worker(
             momentum_files.append(roles.momentum_file)
     assert sorted(written) == sorted(set(written))  # none twice
     state = {"config": cfg.model_dump(mode="json"), "record": None}
-    assert set(written) == needed_files(state)
+    assert set(written) == checkpoint.needed_files(state)
     # One momentum file per outer group's writer: each position's when every rank holds all of
     # it, every rank's own share when owners merge.
     assert sorted(momentum_files) == (list(range(per_replica)) if everyone_merges

@@ -55,7 +55,6 @@ from isoloco_ray.workers.quorum.seated_trainer import SeatedTrainer
 from isoloco_ray.workers.quorum.sync import quorum_numel
 from isoloco_ray.workers.rounds.round_metrics import Metrics
 from isoloco_ray.workers.state import checkpoint, resume
-from isoloco_ray.workers.state.checkpoint_manager import needed_files
 from isoloco_ray.workers.state.export import export_into_summary
 from isoloco_ray.workers.worker_env import WorkerEnv
 
@@ -124,7 +123,7 @@ def stored_checkpoints(run_dir: Any) -> list[Any]:
 class QuorumReports:
     """WorkerEnv.report of a seated worker: progress and checkpoints (the module's docstring).
     The writer keeps the newest `keep` checkpoints and the newest complete one (every file
-    it needs: checkpoint_manager.needed_files), so that a copy cut short never leaves the run
+    it needs: checkpoint.needed_files), so that a copy cut short never leaves the run
     without one to resume from."""
 
     def __init__(self, run_dir: Any, progress: Any, keep: int) -> None:
@@ -165,7 +164,7 @@ class QuorumReports:
         try:
             with filesystem.open_input_stream(posixpath.join(path, checkpoint.STATE_FILE)) as f:
                 state = json.loads(f.read())
-            needed = needed_files(state)
+            needed = checkpoint.needed_files(state)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return False  # unreadable: resume skips it too
         return needed <= set(names)

@@ -169,6 +169,23 @@ def absent_replicas(state: Mapping[str, Any]) -> set[int]:
     return {w * hosted + i for w in missing if isinstance(w, int) for i in range(hosted)}
 
 
+def needed_files(state: Mapping[str, Any]) -> set[str]:
+    """The files a checkpoint whose state.json is `state` cannot resume without, by name: the
+    shared files, adamw_ddp's optimizer, and every replica's but those of workers missing from
+    its round (`absent_replicas`). Outer momentum files are named by the layout that wrote
+    them: checkpoint_problems checks that they hold every tensor's. Raises KeyError, TypeError
+    or AttributeError for a state.json that lacks the replica count."""
+    absent = absent_replicas(state)
+    config = state["config"]
+    needed = {STATE_FILE, GLOBAL_FILE, *(replica_file(r)
+                                         for r in range(config["scaling"]["replicas"])
+                                         if r not in absent)}
+    strategy = STRATEGIES.get(config.get("outer", {}).get("strategy"))
+    if strategy is not None and not strategy.has_outer_step:  # its one optimizer
+        needed.add(DATA_PARALLEL_FILE)
+    return needed
+
+
 def rejoining_replicas(directory: Path, state: Mapping[str, Any]) -> set[int]:
     """The `absent_replicas` of checkpoint `directory` (its state.json: `state`) that have no
     file there: restored, they start again from θ (Replica.rejoin); one that has a file (its
@@ -262,17 +279,16 @@ def checkpoint_problems(directory: Path) -> list[str]:
             buffer_names = None
         else:
             buffer_names |= names
-    if state is not None:
-        rejoining = rejoining_replicas(directory, state)
+    needed = set() if state is None else needed_files(state)
+    if state is not None:  # the needed ones, and an absent replica's that its worker wrote
         replica_paths = [directory / replica_file(r)
                          for r in range(state["config"]["scaling"]["replicas"])
-                         if r not in rejoining]
+                         if replica_file(r) in needed or (directory / replica_file(r)).exists()]
     else:  # the replica count is unknown: check the replica files there are
         replica_paths = sorted(directory.glob("replica_*.pt"))
     for path in replica_paths:
         _check_torch_state(path, REPLICA_KEYS, "a replica state", problems)
-    strategy = None if state is None else state["config"].get("outer", {}).get("strategy")
-    if strategy in STRATEGIES and not STRATEGIES[strategy].has_outer_step:  # its optimizer
+    if DATA_PARALLEL_FILE in needed:
         _check_torch_state(directory / DATA_PARALLEL_FILE, DATA_PARALLEL_KEYS,
                            "the data-parallel optimizer", problems)
     outer = state["outer"] if state is not None else None

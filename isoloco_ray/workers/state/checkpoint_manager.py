@@ -1,7 +1,7 @@
 """The one way a worker's state goes into a checkpoint and comes back (torchtitan's
-CheckpointManager): the parts of the state, the file each part goes to, which worker writes
-which file (`Roles`), and what a stored checkpoint needs to be complete (`needed_files`).
-checkpoint.py holds the files' formats and the checks of a checkpoint read back.
+CheckpointManager): the parts of the state, the file each part goes to, and which worker writes
+which file (`Roles`). checkpoint.py holds the files' formats, what a stored checkpoint needs
+to be complete (`needed_files`) and the checks of a checkpoint read back.
 
     part of the state                  file                       written by
     counters, config, round's record   state.json                 the writer (`Roles.shared`):
@@ -86,25 +86,6 @@ class Roles:
         worker holds alike, the outer momentum (every worker holds all of it) included; every
         worker in the sync writes its replicas' files."""
         return cls(shared=writer, momentum_file=0 if writer else None, replicas=tuple(hosted))
-
-
-def needed_files(state: Mapping[str, Any]) -> set[str]:
-    """The files a checkpoint whose state.json is `state` cannot resume without, by name: the
-    shared files, adamw_ddp's optimizer, and every replica's but those of workers missing from
-    its round (checkpoint.absent_replicas). Outer momentum files are named by the layout that
-    wrote them: checkpoint_problems checks that they hold every tensor's. Raises KeyError,
-    TypeError or AttributeError for a state.json that lacks what this reads."""
-    from isoloco_ray.strategies import STRATEGIES
-
-    absent = checkpoint.absent_replicas(state)
-    config = state["config"]
-    needed = {checkpoint.STATE_FILE, checkpoint.GLOBAL_FILE,
-              *(checkpoint.replica_file(r) for r in range(config["scaling"]["replicas"])
-                if r not in absent)}
-    strategy = STRATEGIES.get(config["outer"]["strategy"])
-    if strategy is not None and not strategy.has_outer_step:
-        needed.add(checkpoint.DATA_PARALLEL_FILE)
-    return needed
 
 
 class CheckpointManager:
