@@ -122,35 +122,16 @@ def test_replicas_spread_over_ray_workers_train_like_the_local_run(ray_cluster, 
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
 
 
-def test_one_worker_takes_the_cores_and_trains_like_the_local_run(ray_cluster, small_dataset,
-                                                                  tmp_path):
-    """scaling.cpus_per_worker left unset on a local cluster: the one worker gets the machine's
-    cores (as far as the cluster's logical CPUs leave one for Ray Data), torch runs on that
-    many threads in it, and the run ends where the Ray-free run on as many threads does, bit
-    for bit (Ray Data's streams read what pyarrow reads)."""
+def test_one_worker_takes_the_cores_and_trains_a_one_shard_corpus_like_the_local_run(
+        ray_cluster, tmp_path, capsys):
+    """A small corpus prepared with default shard sizes (one train shard) trains R = 3
+    replicas, each on its own row range, for more than one epoch, on one worker with
+    scaling.cpus_per_worker left unset: the worker gets the machine's cores (as far as the
+    cluster's logical CPUs leave one for Ray Data), torch runs on that many threads in it, and
+    the run ends where the Ray-free run on as many threads does, bit for bit (Ray Data's row
+    ranges and epoch restarts read what pyarrow reads)."""
     import os
 
-    from isoloco_ray.workers.local import run_local
-
-    args = ["--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64",
-            "--data.batch_size=4", "--scaling.replicas=2", "--scaling.replicas_per_worker=2",
-            "--inner.steps=3", "--run.rounds=2", "--run.eval_every=2", "--run.eval_tokens=512",
-            f"--run.storage_path={tmp_path}", "--run.name=cores"]
-    assert train.main(args) == 0
-    threads = min(os.cpu_count() or 1, 3)  # the session's cluster: 4 logical CPUs
-    config = json.loads((tmp_path / "cores" / "config.json").read_text())
-    assert config["scaling"]["cpus_per_worker"] == threads  # recorded resolved
-    summary = json.loads((tmp_path / "cores" / "summary.json").read_text())
-    assert summary["torch_threads"] == threads
-    local_summary, _ = run_local(load_config(args), small_dataset, threads_per_worker=threads)
-    assert summary["model_sha256"] == local_summary["model_sha256"]
-
-
-def test_a_one_shard_corpus_trains_several_replicas_over_several_epochs(ray_cluster, tmp_path,
-                                                                        capsys):
-    """A small corpus prepared with default shard sizes (one train shard) trains R = 3
-    replicas, each on its own row range, for more than one epoch, and ends where the Ray-free
-    run does, bit for bit (Ray Data's row ranges and epoch restarts read what pyarrow reads)."""
     from isoloco_ray.data.prepare.documents import prepare_dataset
     from isoloco_ray.testing import synthetic_documents
     from isoloco_ray.workers.local import run_local
@@ -161,12 +142,16 @@ def test_a_one_shard_corpus_trains_several_replicas_over_several_epochs(ray_clus
     assert len(split_files(data, "train")) == 1
     args = ["--model.preset=tiny", f"--data.path={data}", "--data.seq_len=64",
             "--data.batch_size=4", "--scaling.replicas=3", "--scaling.replicas_per_worker=3",
-            "--scaling.cpus_per_worker=1", "--inner.steps=8", "--run.rounds=3",
+            "--inner.steps=8", "--run.rounds=3",
             "--run.eval_every=3", "--run.eval_tokens=512", f"--run.storage_path={tmp_path}",
             "--run.name=epochs"]
     assert train.main(args) == 0
     assert "note: the run reads each replica's share of the train data" in \
         capsys.readouterr().out
+    threads = min(os.cpu_count() or 1, 3)  # the session's cluster: 4 logical CPUs
+    config = json.loads((tmp_path / "epochs" / "config.json").read_text())
+    assert config["scaling"]["cpus_per_worker"] == threads  # recorded resolved
     summary = json.loads((tmp_path / "epochs" / "summary.json").read_text())
-    local_summary, _ = run_local(load_config(args), data)
+    assert summary["torch_threads"] == threads
+    local_summary, _ = run_local(load_config(args), data, threads_per_worker=threads)
     assert summary["model_sha256"] == local_summary["model_sha256"]

@@ -23,11 +23,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
-import torch
 
+if TYPE_CHECKING:
+    import torch
 from isoloco_ray.data.format import (
     DataDir,
     DataError,
@@ -241,6 +242,8 @@ class ReplicaStream:
                 continue
             rows.append(row)
         self.position.sequences += self._batch_size
+        import torch  # here: Ray Data's read tasks import this module and need no torch
+
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 

@@ -210,3 +210,17 @@ def test_a_worker_reads_meta_json_once_however_many_replicas_it_hosts(small_data
                        "--data.seq_len=64", "--data.batch_size=4", "--run.eval_tokens=512"])
     run_local(cfg, small_dataset)
     assert reads == [small_dataset]
+
+
+def test_ray_datas_read_tasks_import_no_torch():
+    """Ray Data starts a process per read task, which imports the reader's modules: torch there
+    would cost every read task seconds of imports and hundreds of MB for nothing."""
+    import subprocess
+    import sys
+
+    code = ("import sys, isoloco_ray.data.ray_reader\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]"]
