@@ -44,6 +44,10 @@ def configurations() -> dict[str, list[str]]:
     out["dare-topk-ef"] = ["--outer.strategy=dare", "--scaling.replicas=4",
                            "--scaling.replicas_per_worker=2", "--outer.topk=0.2",
                            "--outer.error_feedback=true"]
+    out["ties-int2-ef"] = ["--outer.strategy=ties", "--scaling.replicas=4",
+                           "--scaling.replicas_per_worker=2", "--outer.comm_dtype=int2",
+                           "--outer.topk=0.25", "--outer.error_feedback=true",
+                           "--outer.placement=replicated"]
     # Each merge option away from its default (the options travel from the config to the
     # merge by their names).
     for name, flags in {"ties-random": ["--outer.strategy=ties", "--outer.prune=random",

@@ -61,6 +61,21 @@ class Exchange(ABC):
     def send(self, payload: Payload, plan: OuterPlan) -> Contributions:
         """Every rank's payload of the tensors this rank merges: name -> source -> tensors."""
 
+    def settle(self, feedback: Mapping[int, dict[str, torch.Tensor]] | None, payload: Payload,
+               arrived: Contributions, hosted: Sequence[int], good: Sequence[int]) -> None:
+        """After `send`: the hosted replicas' error-feedback residuals of the `payload` sent
+        (payload.Payloads.settle), from this rank's own copies as the wire decoded them."""
+        if feedback is not None and not self.route.sums:
+            self.payloads.settle(feedback, payload, self.own_decoded(payload, arrived), hosted,
+                                 good)
+
+    def own_decoded(self, payload: Payload, arrived: Contributions
+                    ) -> Mapping[str, Sequence[torch.Tensor]]:
+        """This rank's `payload` as a receiver decodes it (the codec's round trip; an exchange
+        that decoded it already while sending gives those)."""
+        return {name: [self.codec.roundtrip(x) for x in copies]
+                for name, copies in payload.items()}
+
     @abstractmethod
     def bring_back(self, updates: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor],
                    plan: OuterPlan) -> dict[str, torch.Tensor]:
@@ -85,6 +100,20 @@ class Exchange(ABC):
             raw = torch.cat([raw, raw.new_zeros(padding)])
         return raw.view(torch.float32)
 
+    def settle_from_quorum_wire(self, feedback: Mapping[int, dict[str, torch.Tensor]] | None,
+                                payload: Payload, flat: torch.Tensor, names: Sequence[str],
+                                hosted: Sequence[int], good: Sequence[int]) -> None:
+        """`settle` for a payload sent as `to_quorum_wire`'s `flat`: its own bytes decoded
+        (encoded once)."""
+        if feedback is None or self.route.sums:
+            return
+        copies = len(payload[names[0]])
+        shapes = [payload[name][0].shape for name in names]
+        tensors = self.from_quorum_wire(flat, shapes * copies)
+        decoded = {name: [tensors[copy * len(names) + i] for copy in range(copies)]
+                   for i, name in enumerate(names)}
+        self.payloads.settle(feedback, payload, decoded, hosted, good)
+
     def from_quorum_wire(self, flat: torch.Tensor, shapes: Sequence[torch.Size]
                          ) -> list[torch.Tensor]:
         """The tensors of `shapes` a peer's `to_quorum_wire` sent (decoded, float32)."""
@@ -102,6 +131,11 @@ class EveryoneMerges(Exchange):
 
     def send(self, payload: Payload, plan: OuterPlan) -> Contributions:
         return self.transport.everything(payload, summed=self.route.sums)
+
+    def own_decoded(self, payload: Payload, arrived: Contributions
+                    ) -> Mapping[str, Sequence[torch.Tensor]]:
+        # The all-gather decoded every rank's bytes, this rank's own among them.
+        return {name: arrived[name][self.transport.rank] for name in payload}
 
     def bring_back(self, updates: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor],
                    plan: OuterPlan) -> dict[str, torch.Tensor]:

@@ -52,8 +52,9 @@ class Payloads:
         """Per tensor, what this rank sends: [Σ of its good replicas' Δ_r] (the route sends
         sums), or every hosted Δ_r in replica order (bad ones too; the merge leaves them out).
         With `feedback`, replica r sends x = Δ_r + β·e_r (β: outer.error_decay; pruned first
-        where the mean of pruned Δ_r is merged) and keeps e_r ← x − decode(encode(x)): what the
-        wire lost this round is sent with the next round's. `trained`, the share f_r of the
+        where the mean of pruned Δ_r is merged); once x is encoded, `settle` keeps
+        e_r ← x − decode(encode(x)): what the wire lost this round is sent with the next
+        round's. `trained`, the share f_r of the
         round each replica trained (partial rounds: aggregators/weights.py): the sum is
         Σ f_r·Δ_r, the mean then divides by Σ f_r (a share of 1, or none given: Δ_r as it
         is); each Δ_r is sent as it is, the merge weights it."""
@@ -70,9 +71,6 @@ class Payloads:
                 if self.merge.prune_where_hosted and r in good:
                     sent[r] = {name: self.pruned(delta, round_index, r, name)
                                for name, delta in sent[r].items()}
-                if feedback is not None and r in good:
-                    feedback[r].update({name: x - self.codec.roundtrip(x)
-                                        for name, x in sent[r].items()})
             return {name: [sent[r][name] for r in order] for name in names}
         payload = {}
         for name in names:
@@ -88,6 +86,23 @@ class Payloads:
                 total += delta if share == 1.0 else delta * share
             payload[name] = [total]
         return payload
+
+    def settle(self, feedback: Mapping[int, dict[str, torch.Tensor]] | None,
+               sent: Mapping[str, Sequence[torch.Tensor]],
+               decoded: Mapping[str, Sequence[torch.Tensor]], hosted: Sequence[int],
+               good: Sequence[int]) -> None:
+        """Keep each good hosted replica's residual e_r ← x − decode(encode(x)) of the payload
+        `make` gave (`sent`: name -> the copies of the hosted replicas, in order), from
+        `decoded`, the same copies as the wire delivers them: taken from what the transport
+        decoded already where it did (each payload is encoded once). Nothing without
+        feedback, or when the route sends sums (which carry none); a dropped replica's
+        residual is kept as it was."""
+        if feedback is None or self.route.sums:
+            return
+        for copy, replica in enumerate(sorted(hosted)):
+            if replica in good:
+                feedback[replica].update({name: x[copy] - decoded[name][copy]
+                                          for name, x in sent.items()})
 
     def decayed(self, residual: torch.Tensor) -> torch.Tensor:
         """β·e_r (outer.error_decay; β = 1: e_r itself, not a product)."""

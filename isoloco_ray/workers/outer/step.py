@@ -209,7 +209,8 @@ class OuterSync:
             payload = exchange.pack(hosted, good, round_index, feedback, trained)
         with stopwatch(stats, "comm_seconds", device):  # what reaches it to merge
             arrived = exchange.send(payload, plan)
-        with stopwatch(stats, "merge_seconds", device):  # merge, then outer momentum
+        with stopwatch(stats, "merge_seconds", device):  # residuals, merge, outer momentum
+            exchange.settle(feedback, payload, arrived, list(hosted), good)
             updates = self._momentum_updates(self._merged(arrived, good, round_index, trained))
         with stopwatch(stats, "comm_seconds", device):  # every tensor's update, everywhere
             updates = exchange.bring_back(updates, global_params, plan)

@@ -589,3 +589,56 @@ def test_each_position_holds_the_momentum_of_its_share(spread_ranks):
         # Ranks 0 and 2 (position 0, replicas 0 and 1) hold position 0's share between them.
         assert held[0] | held[2] == set(shares[0])
         assert held[1] | held[3] == set(shares[1])
+
+
+@pytest.mark.parametrize("flags", [
+    ["--outer.strategy=sparseloco", f"--outer.topk={TOPK}"],  # 2-bit chunks, gathered
+    ["--outer.strategy=tsv", "--outer.comm_dtype=int8", "--outer.placement=sharded",
+     "--outer.error_feedback=true"],  # to each tensor's owner
+], ids=["gathered", "to-owners"])
+def test_each_payload_is_encoded_once_and_its_residual_is_what_the_wire_lost(flags,
+                                                                              monkeypatch):
+    """With error feedback, the residual comes from the payload as the wire delivers it: where
+    the transport decoded this rank's own payload already (every worker gathers every
+    payload) it is taken from there, so each replica's x is encoded once a round (twice
+    before: once more for the residual); elsewhere from the codec's round trip of x, the
+    same bytes. Either way sent + residual = x exactly (one rank: world 1)."""
+    cfg = load_config(flags + [f"--scaling.replicas={REPLICAS}",
+                               f"--scaling.replicas_per_worker={REPLICAS}"])
+    sync = OuterSync(cfg.outer, REPLICAS, seed=0)
+    codec = sync.exchange.codec
+    encoded: list[int] = []  # tensors per encode call, a round trip counting as one each
+    encode, roundtrip = type(codec).encode, type(codec).roundtrip
+
+    def counted_encode(self, tensors, device):
+        encoded.append(len(tensors))
+        return encode(self, tensors, device)
+
+    def counted_roundtrip(self, tensor):
+        encoded.append(1)
+        return roundtrip(self, tensor)
+
+    monkeypatch.setattr(type(codec), "encode", counted_encode)
+    monkeypatch.setattr(type(codec), "roundtrip", counted_roundtrip)
+    params = initial_params()
+    feedback: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(REPLICAS)}
+    for round_index in range(2):
+        hosted = {r: pseudo_gradient(r, round_index) for r in range(REPLICAS)}
+        accumulated = {r: {n: hosted[r][n] + cfg.outer.error_decay * feedback[r][n]
+                           if n in feedback[r] else hosted[r][n] for n in SHAPES}
+                       for r in range(REPLICAS)}
+        kept = {r: dict(feedback[r]) for r in range(REPLICAS)}
+        encoded.clear()
+        dropped = sync.step(params, hosted, round_index, feedback=feedback).dropped
+        assert dropped == ([DIVERGED[1]] if round_index == DIVERGED[0] else [])
+        if sync.route.everyone_merges:  # each copy once, in the gather (twice before)
+            assert sum(encoded) == REPLICAS * len(SHAPES)
+        for r in range(REPLICAS):
+            if r in dropped:  # its residual kept as it was
+                assert feedback[r].keys() == kept[r].keys()
+                assert all(feedback[r][n] is kept[r][n] for n in kept[r])
+                continue
+            for name in SHAPES:
+                delivered = codec.roundtrip(accumulated[r][name])
+                assert torch.equal(feedback[r][name], accumulated[r][name] - delivered)
+                assert feedback[r][name].abs().sum() > 0  # the wire lost something
