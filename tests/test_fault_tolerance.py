@@ -4,7 +4,6 @@ run's (docs/fault_tolerance.md)."""
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 import time
 
@@ -27,7 +26,8 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
     replacement is healed by its peers in a later sync and contributes again before the end.
     Metrics name every round's contributors once; the final model is the plain loop's over
     those contributors, bit for bit; the result comes from the file the workers leave (rank 0
-    may be the lost one)."""
+    may be the lost one). (A resume from the run's stored checkpoints: test_quorum's
+    threads-over-a-lighthouse test of the same functions.)"""
     args = ["--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64",
             "--data.batch_size=4", "--scaling.replicas=6", "--scaling.replicas_per_worker=2",
             "--scaling.fault_tolerance=replica", "--scaling.cpus_per_worker=1",
@@ -61,26 +61,6 @@ def test_a_killed_worker_is_replaced_alone_and_the_run_is_the_plain_loop_over_it
     # The survivors waited for worker 1's heartbeats to lapse (1 s unless set).
     assert summary["max_quorum_wait_seconds"] >= metrics[12]["quorum_wait_seconds"] > 0.5
     assert (run_dir / "model" / "model.safetensors").is_file()
-
-    # The run again from its checkpoint of round 10, taken before the loss (as after a stop;
-    # the later ones lack worker 1's replicas for as long as its replacement took to come): it
-    # resumes from storage, not from a peer, and, nobody lost this time, ends with the plain
-    # loop's parameters over every worker from round 11 on.
-    monkeypatch.delenv("ISOLOCO_RAY_KILL_AT")
-    for name in ("summary.json", "ft_end.json"):
-        (run_dir / name).unlink()
-    shutil.rmtree(run_dir / "model")
-    for later in (20, 30, 40):
-        shutil.rmtree(run_dir / f"ftcheckpoint_{later:06d}")
-    assert checkpoint.checkpoint_problems(run_dir / "ftcheckpoint_000010") == []
-    assert train.main(args) == 0
-    assert "resuming" in capsys.readouterr().out
-    resumed = json.loads((run_dir / "summary.json").read_text())
-    metrics = {m["round"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").open())}
-    expected = plain_loop.run_over_quorums(
-        load_config(args), small_dataset, contributors[:10] + [[0, 1, 2]] * 30,
-        steps[:10] + [metrics[j]["replica_steps"] for j in range(11, 41)])
-    assert resumed["model_sha256"] == checkpoint.parameters_sha256(expected)
 
 
 def test_the_injected_pause_stops_the_whole_process_once_and_lets_it_go_on(tmp_path):

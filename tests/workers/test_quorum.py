@@ -705,6 +705,71 @@ def test_rank_0_lost_in_the_last_round_loses_no_record_and_a_random_mask_merge_s
     assert checkpoint.checkpoint_problems(tmp_path / f"round_{cfg.run.rounds}") == []
 
 
+def test_a_replica_run_resumes_from_its_newest_stored_checkpoint_as_if_never_stopped(
+        lighthouse, small_dataset, tmp_path):
+    """A replica run's checkpoints (ftcheckpoint_<round>/ in its run directory, each worker
+    adding its files through QuorumReports, as under Ray Train) resume it: three fresh
+    workers, whose first sync finds nobody under way, restore the newest intact one from
+    storage (not from a peer), take the rounds after it, and end with the θ of the run never
+    stopped, bit for bit (every worker in every round). The Ray path to the same functions:
+    workers/quorum/replica_mode.py's train_replica_worker."""
+    from isoloco_ray import run_files
+    from isoloco_ray.workers.quorum.replica_mode import QuorumReports, restore_newest
+    from isoloco_ray.workers.state import checkpoint
+
+    # Whole rounds only (no straggler deadline): the uninterrupted run is then one θ.
+    cfg = trainer_config(4, "--run.checkpoint_every=2", "--run.keep_checkpoints=4",
+                         "--scaling.straggler_deadline=null")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    recorded: dict[int, dict] = {}  # each round's record, by its writer
+
+    def attempt() -> tuple[list, list[int]]:
+        """Three workers, each joining, restoring if the run starts with them, and training:
+        the trainers, and the round each started after."""
+        reports = QuorumReports(run_dir, None, cfg.run.keep_checkpoints)
+
+        def report(metrics: dict, directory, writer: bool) -> None:
+            if writer and metrics["round"] > 0:
+                recorded[metrics["round"]] = metrics
+            reports(metrics, directory, writer)
+
+        trainers = [seated_trainer(cfg, small_dataset, rank, lighthouse, report=report)
+                    for rank in range(3)]
+        started = [0] * 3
+
+        def start(rank: int) -> dict:
+            trainer = trainers[rank]
+            if trainer.join():
+                error, warning = restore_newest(trainer, run_dir)
+                assert error is None and warning is None
+            started[rank] = trainer.round
+            return trainer.run()
+
+        try:
+            summaries = in_threads(*[lambda rank=rank: start(rank) for rank in range(3)],
+                                   timeout=120)
+        finally:
+            for trainer in trainers:
+                trainer.env.seat.shutdown()
+        assert all("error" not in summary for summary in summaries)
+        return trainers, started
+
+    whole, started = attempt()
+    assert started == [0, 0, 0]
+    stored = sorted(path.name for path in run_dir.iterdir())
+    assert stored == [run_files.FT_CHECKPOINT.format(round=r) for r in (2, 4)]
+    # As after a stop in round 3: the round-4 checkpoint was never written.
+    shutil.rmtree(run_dir / run_files.FT_CHECKPOINT.format(round=4))
+    assert checkpoint.checkpoint_problems(
+        run_dir / run_files.FT_CHECKPOINT.format(round=2)) == []
+    resumed, started = attempt()
+    assert started == [2, 2, 2]
+    assert all((m["contributors"], m["replica_steps"]) == ([0, 1, 2], [3] * 6)
+               for m in recorded.values())  # every worker, whole rounds: the plain run
+    assert {parameters_sha256(trainer) for trainer in resumed} == {parameters_sha256(whole[0])}
+
+
 def test_a_worker_that_falls_behind_alive_is_healed_and_rejoins_where_the_round_puts_it(
         lighthouse, small_dataset):
     """Worker 2 stalls in round 2 (alive, heartbeating) for longer than the lighthouse waits:
