@@ -27,8 +27,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-if TYPE_CHECKING:
-    import torch
 from isoloco_ray.data.format import (
     DataDir,
     DataError,
@@ -37,6 +35,9 @@ from isoloco_ray.data.format import (
     read_blocks,
     share_of_rows,
 )
+
+if TYPE_CHECKING:  # torch only where a batch becomes a tensor (next_batch)
+    import torch
 
 
 @dataclass(frozen=True)

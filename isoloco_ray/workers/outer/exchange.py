@@ -17,7 +17,7 @@ the codec (codec.py) and the collectives (transport.py). The quorum's outer step
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -62,12 +62,11 @@ class Exchange(ABC):
         """Every rank's payload of the tensors this rank merges: name -> source -> tensors."""
 
     def settle(self, feedback: Mapping[int, dict[str, torch.Tensor]] | None, payload: Payload,
-               arrived: Contributions, hosted: Sequence[int], good: Sequence[int]) -> None:
+               arrived: Contributions, hosted: Iterable[int], good: Sequence[int]) -> None:
         """After `send`: the hosted replicas' error-feedback residuals of the `payload` sent
         (payload.Payloads.settle), from this rank's own copies as the wire decoded them."""
-        if feedback is not None and not self.route.sums:
-            self.payloads.settle(feedback, payload, self.own_decoded(payload, arrived), hosted,
-                                 good)
+        self.payloads.settle(feedback, payload, lambda: self.own_decoded(payload, arrived),
+                             hosted, good)
 
     def own_decoded(self, payload: Payload, arrived: Contributions
                     ) -> Mapping[str, Sequence[torch.Tensor]]:
@@ -102,16 +101,16 @@ class Exchange(ABC):
 
     def settle_from_quorum_wire(self, feedback: Mapping[int, dict[str, torch.Tensor]] | None,
                                 payload: Payload, flat: torch.Tensor, names: Sequence[str],
-                                hosted: Sequence[int], good: Sequence[int]) -> None:
+                                hosted: Iterable[int], good: Sequence[int]) -> None:
         """`settle` for a payload sent as `to_quorum_wire`'s `flat`: its own bytes decoded
         (encoded once)."""
-        if feedback is None or self.route.sums:
-            return
-        copies = len(payload[names[0]])
-        shapes = [payload[name][0].shape for name in names]
-        tensors = self.from_quorum_wire(flat, shapes * copies)
-        decoded = {name: [tensors[copy * len(names) + i] for copy in range(copies)]
-                   for i, name in enumerate(names)}
+        def decoded() -> dict[str, list[torch.Tensor]]:
+            copies = len(payload[names[0]])
+            shapes = [payload[name][0].shape for name in names]
+            tensors = self.from_quorum_wire(flat, shapes * copies)
+            return {name: [tensors[copy * len(names) + i] for copy in range(copies)]
+                    for i, name in enumerate(names)}
+
         self.payloads.settle(feedback, payload, decoded, hosted, good)
 
     def from_quorum_wire(self, flat: torch.Tensor, shapes: Sequence[torch.Size]

@@ -8,7 +8,7 @@ hosted Δ_r in replica order. Pruned where hosted when the merge is a mean of sp
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -89,19 +89,20 @@ class Payloads:
 
     def settle(self, feedback: Mapping[int, dict[str, torch.Tensor]] | None,
                sent: Mapping[str, Sequence[torch.Tensor]],
-               decoded: Mapping[str, Sequence[torch.Tensor]], hosted: Sequence[int],
-               good: Sequence[int]) -> None:
+               decoded: Callable[[], Mapping[str, Sequence[torch.Tensor]]],
+               hosted: Iterable[int], good: Sequence[int]) -> None:
         """Keep each good hosted replica's residual e_r ← x − decode(encode(x)) of the payload
         `make` gave (`sent`: name -> the copies of the hosted replicas, in order), from
-        `decoded`, the same copies as the wire delivers them: taken from what the transport
-        decoded already where it did (each payload is encoded once). Nothing without
-        feedback, or when the route sends sums (which carry none); a dropped replica's
-        residual is kept as it was."""
+        `decoded()`, the same copies as the wire delivers them: taken from what the transport
+        decoded already where it did (each payload is encoded once), and asked for only when
+        needed. Nothing without feedback, or when the route sends sums (which carry none); a
+        dropped replica's residual is kept as it was."""
         if feedback is None or self.route.sums:
             return
+        delivered = decoded()
         for copy, replica in enumerate(sorted(hosted)):
             if replica in good:
-                feedback[replica].update({name: x[copy] - decoded[name][copy]
+                feedback[replica].update({name: x[copy] - delivered[name][copy]
                                           for name, x in sent.items()})
 
     def decayed(self, residual: torch.Tensor) -> torch.Tensor:

@@ -210,7 +210,7 @@ class OuterSync:
         with stopwatch(stats, "comm_seconds", device):  # what reaches it to merge
             arrived = exchange.send(payload, plan)
         with stopwatch(stats, "merge_seconds", device):  # residuals, merge, outer momentum
-            exchange.settle(feedback, payload, arrived, list(hosted), good)
+            exchange.settle(feedback, payload, arrived, hosted, good)
             updates = self._momentum_updates(self._merged(arrived, good, round_index, trained))
         with stopwatch(stats, "comm_seconds", device):  # every tensor's update, everywhere
             updates = exchange.bring_back(updates, global_params, plan)

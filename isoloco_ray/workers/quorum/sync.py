@@ -81,8 +81,8 @@ class QuorumSync(OuterSync):
             with stopwatch(stats, "merge_seconds", device):
                 payload = self.exchange.pack(hosted, good, round_index, feedback, trained)
                 flat = self.exchange.to_quorum_wire(payload, names)
-                self.exchange.settle_from_quorum_wire(feedback, payload, flat, names,
-                                                      list(hosted), good)
+                self.exchange.settle_from_quorum_wire(feedback, payload, flat, names, hosted,
+                                                      good)
             contribution = Contribution(
                 flat, good, sum((losses or {}).get(r, 0.0) for r in good),
                 shares={r: (trained or {}).get(r, 1.0) for r in good},
