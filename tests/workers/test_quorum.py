@@ -38,9 +38,11 @@ REPLICAS, HOSTED, NUMEL = 6, 2, 7  # 3 workers hosting 2 replicas each
 
 def started_lighthouse(join_timeout_ms: int) -> Iterator[str]:
     # A quorum forms once every member of the previous one has asked (with whoever else has
-    # asked by then), or join_timeout_ms after the first ask when one is missing.
+    # asked by then), or join_timeout_ms after the first ask when one that still heartbeats
+    # is missing. One silent for 300 ms is gone (torchft's managers beat every 100 ms, from
+    # Rust, whatever Python's threads are doing): a seat shut down is not waited for.
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2,
-                              join_timeout_ms=join_timeout_ms)
+                              join_timeout_ms=join_timeout_ms, heartbeat_timeout_ms=300)
     yield "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
     server.shutdown()
 
