@@ -1,8 +1,9 @@
 """run.storage_path on S3: a real S3-compatible server (moto's) on loopback, real Ray runs.
 
 Config, metrics, summary, checkpoints (Ray Train's, and a resume from them that skips a damaged
-one), the exported model (evaluated from there), a grid on data in the bucket, and reports all
-live in the bucket."""
+one, rebuilds an emptied record of them, or stops naming every damaged file), the exported
+model (evaluated from there), a grid on data in the bucket, and reports all live in the
+bucket."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from upath import UPath
 from helpers import truncate
 from isoloco_ray import evaluate, report, storage, train, tune
 from isoloco_ray.config import ConfigError
+from isoloco_ray.workers.state import resume
 
 
 def test_location_keeps_uris_and_makes_local_paths_absolute(tmp_path, monkeypatch):
@@ -51,8 +53,12 @@ def test_upload_directory(s3_bucket, tmp_path):
 
 def test_a_run_on_s3_writes_everything_there_and_resumes_from_it(ray_cluster, small_dataset,
                                                                    s3_bucket, capsys):
-    """A run stored in the bucket; then, made resumable again (summary.json removed) with its
-    newest checkpoint damaged, it resumes from the older one there and ends bit-identical."""
+    """A run stored in the bucket; then, made resumable again (summary.json removed): with
+    every checkpoint damaged it stops at once with the files named (no restarts); with the
+    newest damaged and Ray Train's record of them emptied (as a write of it on a full disk
+    leaves it), the record is rebuilt and the run resumes from the older checkpoint there and
+    ends bit-identical. (The same on local storage, and each kind of damage: test_checkpoint's
+    one-process tests of the same functions.)"""
     storage_path = f"s3://{s3_bucket}/runs"
     args = ["--model.preset=tiny", f"--data.path={small_dataset}", "--data.seq_len=64",
             "--data.batch_size=4", "--scaling.replicas=2", "--scaling.replicas_per_worker=2",
@@ -77,9 +83,24 @@ def test_a_run_on_s3_writes_everything_there_and_resumes_from_it(ray_cluster, sm
     assert len(checkpoints) == 2  # run.keep_checkpoints
 
     (run_dir / "summary.json").unlink()
+    capsys.readouterr()
     newest, older = checkpoints
     truncate(newest / "global.safetensors")
+    state = (older / "state.json").read_text()
+    (older / "state.json").write_text("junk")
+    assert train.main(args) == 1
+    err = capsys.readouterr().err
+    assert "error: the run stopped: no intact checkpoint to resume from: " \
+        f"checkpoint {newest} is damaged: {newest / 'global.safetensors'}: not a complete" in err
+    assert f"{older / 'state.json'}: not valid JSON" in err and f"delete {run_dir}" in err
+
+    (older / "state.json").write_text(state)
+    (run_dir / resume.RAY_RECORD).write_text("")
     assert train.main(args) == 0
+    err = capsys.readouterr().err
+    assert f"warning: checkpoint {newest} is damaged" in err
+    assert f"note: Ray Train's record of this run's checkpoints ({run_dir / resume.RAY_RECORD})" \
+        " was unusable: it is empty" in err
     resumed = json.loads((run_dir / "summary.json").read_text())
     assert resumed["resume_warning"].startswith(
         f"warning: checkpoint {newest} is damaged: {newest / 'global.safetensors'}: not a "
