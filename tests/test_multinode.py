@@ -50,17 +50,18 @@ def assert_same_model(result: dict, model_dir: Path, data_dir: Path, *options: s
 
 @pytest.mark.multinode
 def test_losing_a_node_then_gaining_one_resizes_the_run_and_keeps_the_math(
-        own_ray, small_dataset, tmp_path):
+        own_ray, small_dataset, tmp_path, monkeypatch):
     """2 workers on 2 one-CPU nodes (R = 2, min_workers 1). A worker's node is removed after the
     second checkpoint: the run restarts from its latest checkpoint on the one worker left,
     which hosts both replicas. Two rounds later a new node joins: at its next resize check Ray
     Train restarts the run from the latest checkpoint on two workers, one replica each. The
     model is the uninterrupted 2-worker run's (within float tolerance: the outer sum runs in
     another order on one worker). One cluster and one run for both changes."""
-    # More, shorter rounds: the resize comes on a timer (a check every 5 s, then a restart),
-    # and the run must still be going when it does, on a loaded machine too; short rounds
-    # re-open the small dataset's streams less often (each epoch's re-open costs ~2 s).
-    longer = ("--run.rounds=24", "--inner.steps=30")
+    # More, shorter rounds: the resize comes on a timer (here a check every 2 s, then a
+    # restart), and the run must still be going when it does, on a fast machine too (rounds
+    # of 0.4 s: the grow, after round 5 or so, is in place by round 11).
+    monkeypatch.setenv("ISOLOCO_RAY_RESIZE_CHECK_SECONDS", "2")
+    longer = ("--run.rounds=16", "--inner.steps=30")
     result = node_change(small_dataset, tmp_path, "--shrink-then-grow", *longer)
     shrink, grow = result["changes"]
     assert shrink["change"] == "remove" and grow["change"] == "add"
@@ -70,5 +71,5 @@ def test_losing_a_node_then_gaining_one_resizes_the_run_and_keeps_the_math(
     assert grow["workers_before"] == 1
     assert grow["workers_after"] == 2 and grow["recovery_seconds"] is not None
     assert grow["node"] in grow["placement_after"]
-    assert result["summary"]["rounds"] == 24 and result["summary"]["workers"] == 2
+    assert result["summary"]["rounds"] == 16 and result["summary"]["workers"] == 2
     assert_same_model(result, tmp_path / "node-loss" / "model", small_dataset, *longer)
