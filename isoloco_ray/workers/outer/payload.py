@@ -54,10 +54,10 @@ class Payloads:
         With `feedback`, replica r sends x = Δ_r + β·e_r (β: outer.error_decay; pruned first
         where the mean of pruned Δ_r is merged); once x is encoded, `settle` keeps
         e_r ← x − decode(encode(x)): what the wire lost this round is sent with the next
-        round's. `trained`, the share f_r of the
-        round each replica trained (partial rounds: aggregators/weights.py): the sum is
-        Σ f_r·Δ_r, the mean then divides by Σ f_r (a share of 1, or none given: Δ_r as it
-        is); each Δ_r is sent as it is, the merge weights it."""
+        round's. `trained`, the share f_r of the round each replica trained (partial rounds:
+        aggregators/weights.py): the sum is Σ f_r·Δ_r, the mean then divides by Σ f_r (a
+        share of 1, or none given: Δ_r as it is); each Δ_r is sent as it is, the merge
+        weights it."""
         order = sorted(hosted)
         names = list(hosted[order[0]])
         if not self.route.sums:
