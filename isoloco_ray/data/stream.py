@@ -10,7 +10,10 @@ without Ray (tests, single-process loops) the same rows are read with pyarrow
 (`read_with_pyarrow`). Both feed `ReplicaStream`, which cuts blocks into sequences,
 groups them into batches and counts what it consumed (epoch, sequences); the shard and row of
 a count follow from the shards' row counts, so a resumed stream opens its reader at that
-shard and row, at the same cost anywhere in the data.
+shard and row, at the same cost anywhere in the data. One open reads on past the epoch's end
+through whole epochs of the share (`EpochRows`), so a new epoch costs nothing: on Ray each
+open starts a read task, in a process Ray may have to start again by then (seconds on a busy
+node, every epoch of a small dataset).
 Readers yield `ShardBlocks`: the rows and the shard file of each row (Ray Data's `path` column),
 so that a token id outside the model's vocabulary, checked as every batch is read, is reported
 with its file instead of failing as an index error inside the embedding.
@@ -51,6 +54,13 @@ class ShardBlocks:
         """The shard file that row ``row`` of ``tokens`` came from."""
         return self.files if isinstance(self.files, str) else str(self.files[row])
 
+    def split(self, rows: int) -> tuple[ShardBlocks, ShardBlocks]:
+        """The first `rows` rows, and the rest."""
+        files = self.files
+        head, tail = ((files, files) if isinstance(files, str)
+                      else (files[:rows], files[rows:]))
+        return ShardBlocks(self.tokens[:rows], head), ShardBlocks(self.tokens[rows:], tail)
+
 
 T = TypeVar("T")
 
@@ -83,6 +93,10 @@ class ShardRange:
 
 # Reads exactly the given row ranges, in order.
 RowReader = Callable[[Sequence[ShardRange]], Iterable[ShardBlocks]]
+
+# One open of a reader covers the rest of an epoch and then whole epochs of the share, up to
+# this many ranges in all (a share of one shard: 256 epochs per open).
+RANGES_PER_OPEN = 256
 
 
 @dataclass(frozen=True)
@@ -154,19 +168,51 @@ class StreamPosition:
     sequences: int = 0
 
 
+class EpochRows:
+    """One open reader over `share`: the rest of an epoch from row `start`, then as many whole
+    epochs as `RANGES_PER_OPEN` allows (`epochs_left`). `take` hands out the rows of one
+    epoch exactly, splitting a block that runs past its end."""
+
+    def __init__(self, share: ReplicaShare, read_rows: RowReader, start: int) -> None:
+        self.epochs_left = max(1, RANGES_PER_OPEN // len(share.ranges))
+        self._blocks = iter(read_rows([*share.after(start),
+                                       *share.ranges * self.epochs_left]))
+        self._rest: ShardBlocks | None = None  # read past the end of the last epoch taken
+
+    def take(self, rows: int) -> Iterator[ShardBlocks]:
+        """The next `rows` rows (fewer if the reader ends first)."""
+        while rows > 0:
+            part, self._rest = self._rest, None
+            part = part if part is not None else next(self._blocks, None)
+            if part is None:
+                return
+            if len(part.tokens) > rows:
+                part, self._rest = part.split(rows)
+            rows -= len(part.tokens)
+            yield part
+
+    def close(self) -> None:
+        """Stop the reader (see ReplicaStream.close)."""
+        close = getattr(self._blocks, "close", None)
+        if close is not None:
+            close()
+
+
 class ReplicaStream:
     """Batches of `batch_size` sequences of `seq_len` tokens from one replica's share, in order.
 
     Rows (blocks of `block_len` tokens) are cut into `block_len // seq_len` sequences (the
     remainder of a row, if any, is not used). When the share is exhausted a new epoch starts
-    over it, in the same order. A stream opened at a position reads from the shard and row
-    holding it (`ReplicaShare.after`), so resuming costs the same at any position. With
-    `vocab_size` (the model's), every block read is checked to hold ids below it
-    (`check_token_ids`: DataError naming the shard); None skips the check.
+    over it, in the same order, from the reader already open (`EpochRows`). A stream opened at
+    a position reads from the shard and row holding it (`ReplicaShare.after`), so resuming
+    costs the same at any position. With `vocab_size` (the model's), every block read is
+    checked to hold ids below it (`check_token_ids`: DataError naming the shard); None skips
+    the check.
     """
 
     position: StreamPosition
-    _sequences: Generator[np.ndarray, None, None] | None = None  # the open reader's sequences
+    _rows: EpochRows | None = None  # the open reader
+    _sequences: Generator[np.ndarray, None, None] | None = None  # this epoch's sequences
 
     def __init__(self, share: ReplicaShare, read_rows: RowReader, seq_len: int,
                  batch_size: int, position: StreamPosition | None = None, *,
@@ -186,7 +232,9 @@ class ReplicaStream:
         """Continue from `position`, reading from the shard and row that hold it."""
         self.close()
         self.position = StreamPosition(position.epoch, position.sequences)
-        self._sequences = self._open(position.sequences)
+        rows, to_skip = divmod(position.sequences, self._per_row)
+        self._rows = EpochRows(self._share, self._read_rows, rows)
+        self._sequences = self._epoch(self._share.rows - rows, to_skip)
 
     def position_after(self, batches: int) -> StreamPosition:
         """Where a stream opened at the start stands after `batches` batches: a function of
@@ -203,6 +251,8 @@ class ReplicaStream:
         garbage collected: an open one left at exit can keep the process from ending."""
         if self._sequences is not None:
             self._sequences.close()
+        if self._rows is not None:
+            self._rows.close()
 
     def where(self) -> tuple[str, int]:
         """The shard file and row (within the file) of the next unread sequence; ("", 0) past
@@ -210,26 +260,31 @@ class ReplicaStream:
         ranges = self._share.after(self.position.sequences // self._per_row)
         return (str(ranges[0].path), ranges[0].start) if ranges else ("", 0)
 
-    def _open(self, sequences: int) -> Generator[np.ndarray, None, None]:
-        """The epoch's sequences from number `sequences` on."""
-        rows, to_skip = divmod(sequences, self._per_row)
-        ranges = self._share.after(rows)
+    def _epoch(self, rows: int, skip: int) -> Generator[np.ndarray, None, None]:
+        """The sequences of the open reader's next `rows` rows (the rest of an epoch), the
+        first `skip` left out."""
+        assert self._rows is not None
+        for part in self._rows.take(rows):
+            if self._vocab_size is not None:
+                check_token_ids(part, self._vocab_size)
+            seqs = part.tokens[:, : self._per_row * self._seq_len]
+            seqs = seqs.reshape(-1, self._seq_len)
+            yield from seqs[skip:]
+            skip = max(0, skip - len(seqs))
 
-        def read() -> Generator[np.ndarray, None, None]:
-            skip = to_skip
-            with closing(self._read_rows(ranges)) as parts:
-                for part in parts:
-                    if self._vocab_size is not None:
-                        check_token_ids(part, self._vocab_size)
-                    seqs = part.tokens[:, : self._per_row * self._seq_len]
-                    seqs = seqs.reshape(-1, self._seq_len)
-                    yield from seqs[skip:]
-                    skip = max(0, skip - len(seqs))
-
-        return read()
+    def _next_epoch(self) -> None:
+        """Start the next epoch: from the open reader while it has whole epochs left."""
+        assert self._rows is not None
+        if self._rows.epochs_left == 0:
+            self.seek(StreamPosition(epoch=self.position.epoch + 1, sequences=0))
+            return
+        self._rows.epochs_left -= 1
+        self.position = StreamPosition(epoch=self.position.epoch + 1, sequences=0)
+        self._sequences = self._epoch(self._share.rows, 0)
 
     def next_batch(self) -> torch.Tensor:
         """The next (batch_size, seq_len) int64 batch; rolls over to a new epoch when needed."""
+        assert self._sequences is not None
         rows: list[np.ndarray] = []
         started_epoch_here = False
         while len(rows) < self._batch_size:
@@ -237,7 +292,7 @@ class ReplicaStream:
             if row is None:
                 if started_epoch_here:
                     raise ValueError("a replica's shards hold fewer sequences than one batch")
-                self.seek(StreamPosition(epoch=self.position.epoch + 1, sequences=0))
+                self._next_epoch()
                 started_epoch_here = True
                 rows.clear()  # a batch never straddles two epochs
                 continue

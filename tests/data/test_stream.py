@@ -82,6 +82,36 @@ def test_epoch_rolls_over_without_straddling(small_dataset):
     assert stream.position == StreamPosition(epoch=1, sequences=batch)
 
 
+@pytest.mark.parametrize(("replica", "replicas", "seq_len", "batch"),
+                         [(0, 4, 64, 7), (1, 2, 32, 5), (0, 40, 16, 3)])
+def test_epochs_go_on_in_the_open_reader_as_a_fresh_read_of_each(small_dataset, monkeypatch,
+                                                                 replica, replicas, seq_len,
+                                                                 batch):
+    """A stream reads epoch after epoch from one open reader (a new epoch starts no read), and
+    gives what reading each epoch afresh gives: its sequences in order, batch after batch, the
+    last sequences too few for a batch left out; once the open reader's epochs are used up it
+    opens another."""
+    from isoloco_ray.data import stream as stream_module
+
+    share = replica_share(small_dataset, replica, replicas)
+    per_open = 3
+    monkeypatch.setattr(stream_module, "RANGES_PER_OPEN", per_open * len(share.ranges))
+    epoch = blocks_of(share.ranges)[:, : 64 // seq_len * seq_len].reshape(-1, seq_len)
+    per_epoch = len(epoch) // batch
+    assert per_epoch >= 1
+    reader = CountingReader()
+    stream = stream_of(share, seq_len, batch, read_rows=reader)
+    epochs = 2 * per_open + 1
+    for e in range(epochs):
+        for b in range(per_epoch):
+            np.testing.assert_array_equal(stream.next_batch().numpy(),
+                                          epoch[b * batch:(b + 1) * batch], err_msg=f"{e} {b}")
+            assert stream.position == StreamPosition(e, (b + 1) * batch)
+    # the first open reads the first epoch and per_open more; so does each after it
+    assert len(reader.opened) == 2
+    assert all(opened == list(share.ranges) * (per_open + 1) for opened in reader.opened)
+
+
 @pytest.mark.parametrize(("seq_len", "batch"), [(64, 3), (32, 5), (16, 7)])
 def test_resumed_stream_continues_with_the_next_unseen_batch(small_dataset, seq_len, batch):
     """At every position (mid-row, mid-shard, at a shard's end, in the next epoch) a stream
@@ -133,8 +163,10 @@ def test_resume_opens_the_reader_at_the_positions_shard_and_row(small_dataset):
     stream = stream_of(share, 32, 4, StreamPosition(0, sequences), read_rows=reader)
     assert stream.where() == (str(second.path), 5)
     batch = stream.next_batch().numpy()
-    assert reader.opened == [[ShardRange(second.path, 5, second.stop, second.shard_rows),
-                              *share.ranges[2:]]]
+    rest_of_epoch = [ShardRange(second.path, 5, second.stop, second.shard_rows),
+                     *share.ranges[2:]]
+    assert len(reader.opened) == 1
+    assert reader.opened[0][:len(rest_of_epoch)] == rest_of_epoch
     np.testing.assert_array_equal(batch, blocks_of(share.ranges).reshape(-1, 32)[
         sequences:sequences + 4])
 
