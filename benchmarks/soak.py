@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import random
 import statistics
@@ -49,6 +50,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -228,11 +230,7 @@ def scored_loss(cfg: Any, data: Path, theta: dict[str, Any]) -> float:
 def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict[str, Any],
             faults: list[Fault], workers: int) -> dict[str, Any]:
     """The run's figures (the module's docstring)."""
-    import torch
-
     from isoloco_ray.config import load_config
-    from isoloco_ray.workers import plain_loop
-    from isoloco_ray.workers.state import checkpoint
 
     cfg = load_config(flags)
     rounds = cfg.resolved.rounds
@@ -267,20 +265,37 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
         steps = [by_round[j]["replica_steps"] for j in range(1, rounds + 1)]
         row["rounds_with_partial_replicas"] = sum(
             any(0 < taken < cfg.inner.steps for taken in s) for s in steps)
-        # On the workers' thread count: float64 merges (tsv, isocts) depend on it on some
-        # CPUs' MKL.
-        torch.set_num_threads(cfg.scaling.torch_threads)
-        reference = plain_loop.run_over_quorums(cfg, data, contributors, steps)
-        row["weights_equal_reference"] = (summary.get("model_sha256")
-                                          == checkpoint.parameters_sha256(reference))
-        # Scored as the failure-free θ is: equal to the run's own final eval loss.
-        row["reference_eval_loss"] = scored_loss(cfg, data, reference)
-        free = plain_loop.run_over_quorums(cfg, data, [list(range(workers))] * rounds)
-        row["failure_free_eval_loss"] = scored_loss(cfg, data, free)
+        # The plain loop over the recorded quorums, and without faults: one process each, at
+        # once (the run is over; each takes minutes of a core for a few hundred rounds).
+        with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+            recorded = pool.submit(reference_loop, flags, data, contributors, steps)
+            failure_free = pool.submit(reference_loop, flags, data,
+                                       [list(range(workers))] * rounds, None)
+            (sha256, row["reference_eval_loss"]), (_, row["failure_free_eval_loss"]) = (
+                recorded.result(), failure_free.result())
+        row["weights_equal_reference"] = summary.get("model_sha256") == sha256
         if row["final_eval_loss"] is not None:
             row["loss_vs_failure_free"] = round(row["final_eval_loss"]
                                                 - row["failure_free_eval_loss"], 4)
     return row
+
+
+def reference_loop(flags: list[str], data: Path, contributors: list[list[int]],
+                   steps: list[list[int]] | None) -> tuple[str, float]:
+    """`run_over_quorums` over `contributors` (and `steps`): its θ's sha256 and its eval loss
+    (scored as the run scores its own θ)."""
+    import torch
+
+    from isoloco_ray.config import load_config
+    from isoloco_ray.workers import plain_loop
+    from isoloco_ray.workers.state import checkpoint
+
+    cfg = load_config(flags)
+    # On the workers' thread count: float64 merges (tsv, isocts) depend on it on some CPUs'
+    # MKL.
+    torch.set_num_threads(cfg.scaling.torch_threads)
+    theta = plain_loop.run_over_quorums(cfg, data, contributors, steps)
+    return checkpoint.parameters_sha256(theta), scored_loss(cfg, data, theta)
 
 
 def goodput(row: dict[str, Any], records: list[dict[str, Any]], tokens_per_step: int,
