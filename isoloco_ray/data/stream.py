@@ -174,7 +174,7 @@ class EpochRows:
     epoch exactly, splitting a block that runs past its end."""
 
     def __init__(self, share: ReplicaShare, read_rows: RowReader, start: int) -> None:
-        self.epochs_left = max(1, RANGES_PER_OPEN // len(share.ranges))
+        self.epochs_left = max(1, RANGES_PER_OPEN // max(1, len(share.ranges)))
         self._blocks = iter(read_rows([*share.after(start),
                                        *share.ranges * self.epochs_left]))
         self._rest: ShardBlocks | None = None  # read past the end of the last epoch taken

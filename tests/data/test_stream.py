@@ -112,6 +112,17 @@ def test_epochs_go_on_in_the_open_reader_as_a_fresh_read_of_each(small_dataset, 
     assert all(opened == list(share.ranges) * (per_open + 1) for opened in reader.opened)
 
 
+@pytest.mark.parametrize("rows", [0, 1])
+def test_a_share_too_small_for_a_batch_is_refused_by_name(small_dataset, rows):
+    """A replica whose share holds no rows, or fewer sequences than one batch, fails with
+    the reason at its first batch (more replicas than the corpus has rows)."""
+    shard = split_files(small_dataset, "train")[0]
+    share = ReplicaShare((ShardRange(shard, 0, rows, len(read_blocks(shard))),) if rows
+                         else (), 64)
+    with pytest.raises(ValueError, match="fewer sequences than one batch"):
+        stream_of(share, seq_len=64, batch_size=2).next_batch()
+
+
 @pytest.mark.parametrize(("seq_len", "batch"), [(64, 3), (32, 5), (16, 7)])
 def test_resumed_stream_continues_with_the_next_unseen_batch(small_dataset, seq_len, batch):
     """At every position (mid-row, mid-shard, at a shard's end, in the next epoch) a stream
