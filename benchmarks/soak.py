@@ -2,8 +2,9 @@
 checked against the plain reference (issue 46, stage 4).
 
     python benchmarks/chaos.py OUT_DIR --soak [--faults 100] [--workers 5] [--seed 0]
-        [--strategies diloco,diloco_sgd,isoc,isoloco,isocts,tsv,ties-random,dare]
-        [--kill-share 0.4] [--slow-share 0] [--fault-gap 2] [--json PATH] [train flags]
+        [--strategies diloco,diloco_sgd,isoc,isoloco,isocts,tsv,ties-random,dare,sparseloco]
+        [--kill-share 0.4] [--slow-share 0] [--fault-gap 2] [--nodes [--node-share 0.5]]
+        [--json PATH] [train flags]
 
 One run per strategy (tiny model, one replica per worker, H = 8; each worker's step padded to
 an eighth of a second by sleeping, as a worker waiting on its accelerator, `--round-floor`:
@@ -12,14 +13,17 @@ their contention), each a `python -m isoloco_ray.train` process on its own local
 with its share of the faults, mixed and seeded (workers/ray_entry.py FaultHooks): SIGKILL of a
 worker (rank 0 included: the first fault of the soak is rank 0's), SIGSTOP for 5-60 s then
 SIGCONT, or (`--slow-share`) a slowdown of 2-10x for 5-60 s, in which the straggler deadline
-cuts the worker's rounds short (scaling.straggler_deadline). Faults are placed a few rounds
+cuts the worker's rounds short (scaling.straggler_deadline); with `--nodes` each run is on a
+simulated multi-node cluster (SimulatedNodes) and `--node-share` of the kills remove the
+worker's node instead, a fresh node joining at once. Faults are placed a few rounds
 apart, at most W - ⌊W/2⌋ - 1 workers out at once (a majority stays) and no two SIGKILLs within
 a replacement's start of each other (Ray 2.60 restarts every worker then:
 docs/fault_tolerance.md); a fault planned for a worker that is still out (or slowed) when its
 round comes does not fire, and only those that fired count.
 
 Per run (JSON, and a table):
-- `faults_injected` (kills, stops), `faults_survived` (injected in a run that completed);
+- `faults_injected` (kills, stops, slowdowns, node removals), `faults_survived` (injected in
+  a run that completed);
 - `rounds_reported_once`: metrics.jsonl holds rounds 0..N, each exactly once;
 - `survivor_restarts`: times every worker started again from a checkpoint (must be 0);
 - `stall_seconds`, one per fault: from the fault's time to the next sync the survivors
@@ -45,11 +49,13 @@ import math
 import multiprocessing
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -59,7 +65,7 @@ from isoloco_ray import run_files
 
 STRATEGIES = {"diloco": [], "diloco_sgd": [], "isoc": [], "isoloco": [], "isocts": [],
               "tsv": [], "ties-random": ["--outer.strategy=ties", "--outer.prune=random"],
-              "dare": []}
+              "dare": [], "sparseloco": []}
 RUN_TIMEOUT_S = 3600  # each training process; a hang costs this, not the session
 PAUSE_S = (5.0, 60.0)  # SIGSTOP durations and slowdowns' lengths, uniform
 SLOW_FACTOR = (2.0, 10.0)  # how many times slower a slowed worker is, uniform
@@ -69,6 +75,10 @@ FAULT_GAP_S = 2.0  # between two faults
 # started its replacement and the others have healed it (about 10 s on 2 cores), a stopped one
 # until it has been healed.
 KILL_OUT_S, STOP_EXTRA_S = 15.0, 3.0
+# --nodes: a node's removal keeps its worker out longer than a kill (Ray sees the node gone,
+# then starts the replacement on another); the stopped worker is continued after NODE_STOP_S
+# if its node was never removed.
+NODE_OUT_S, NODE_STOP_S = 25.0, 120.0
 WARMUP_ROUNDS, TAIL_S = 4, 5.0  # without faults, at the start and the end of a run
 CHECKPOINT_EVERY = 20  # rounds: checkpoints are taken between faults, and across them
 INNER_STEPS = 8  # H: a straggler's partial round takes 1 to 7 of them
@@ -85,32 +95,37 @@ class Fault:
     # heartbeating: a throttled or shared machine).
     slow: float | None = None
     slow_seconds: float | None = None
+    node: bool = False  # --nodes: the worker's Ray node is removed instead of a SIGKILL
 
     def spec(self, marker: Path) -> str:
         """Its ISOLOCO_RAY_KILL_AT item (one replica per worker: replica = worker)."""
         if self.slow is not None:
             action = f"slow={self.slow:g}/{self.slow_seconds:g}:"
+        elif self.node:
+            action = f"node={NODE_STOP_S:g}:"
         else:
             action = "" if self.pause is None else f"stop={self.pause:g}:"
         return f"{self.round}:{self.worker}:{action}{marker}"
 
     @property
     def label(self) -> str:
-        """kill, stop S or slow FxS, for the plan's printout."""
+        """kill, node, stop S or slow FxS, for the plan's printout."""
         if self.slow is not None:
             return f"slow {self.slow:g}x{self.slow_seconds:g}s"
-        return "kill" if self.pause is None else f"stop {self.pause:g}s"
+        return self.kind if self.pause is None else f"stop {self.pause:g}s"
 
     @property
     def kind(self) -> str:
-        """kill, stop or slow."""
-        return "slow" if self.slow is not None else "kill" if self.pause is None else "stop"
+        """kill, node, stop or slow."""
+        if self.slow is not None:
+            return "slow"
+        return ("node" if self.node else "kill") if self.pause is None else "stop"
 
     @property
     def lost_seconds(self) -> float:
         """Worker-seconds of training this fault takes at the least (goodput_bound): a pause's
-        length, a slowdown's (1 − 1/F) of its length; a kill none (a replacement could be up at
-        once)."""
+        length, a slowdown's (1 − 1/F) of its length; a kill or a node's loss none (a
+        replacement could be up at once)."""
         if self.slow is not None:
             assert self.slow_seconds is not None
             return self.slow_seconds * (1 - 1 / self.slow)
@@ -119,10 +134,12 @@ class Fault:
 
 def plan_faults(count: int, workers: int, round_seconds: float, rng: random.Random,
                 rank_0_first: bool, slow_share: float = 0.0, gap_s: float = FAULT_GAP_S,
-                kill_share: float = KILL_SHARE) -> tuple[list[Fault], int]:
+                kill_share: float = KILL_SHARE, node_share: float = 0.0
+                ) -> tuple[list[Fault], int]:
     """`count` faults placed as the module's docstring says, in rounds of `round_seconds`
     (the 5 s that the survivors wait for a faulted worker's heartbeat aside), `kill_share` of
-    them SIGKILLs, `slow_share` slowdowns, the rest SIGSTOPs, at least `gap_s` apart; returns
+    them SIGKILLs (`node_share` of those the removal of the worker's node instead),
+    `slow_share` slowdowns, the rest SIGSTOPs, at least `gap_s` apart; returns
     them and the rounds the run needs. A slowed worker is not out (it takes part), but gets no
     other fault while slowed."""
     def rounds(seconds: float) -> int:
@@ -151,8 +168,9 @@ def plan_faults(count: int, workers: int, round_seconds: float, rng: random.Rand
                                 slow_seconds=seconds))
             slowed_until[worker] = cursor + rounds(seconds)
         elif kill:
-            faults.append(Fault(cursor, worker, None))
-            back_at[worker] = next_kill = cursor + rounds(KILL_OUT_S)
+            node = node_share > 0 and rng.random() < node_share  # no draw: plans as before
+            faults.append(Fault(cursor, worker, None, node=node))
+            back_at[worker] = next_kill = cursor + rounds(NODE_OUT_S if node else KILL_OUT_S)
         else:
             pause = round(rng.uniform(*PAUSE_S), 1)
             faults.append(Fault(cursor, worker, pause))
@@ -189,26 +207,91 @@ def prepare_data(out: Path) -> Path:
     return data
 
 
+NODE_STORE = 100 * 1024**2  # object store bytes of each simulated node
+
+
+class SimulatedNodes:
+    """--nodes: a `ray.cluster_utils.Cluster` on this machine for one training run, which joins
+    it (RAY_ADDRESS): a head of 1 CPU (the driver's side: Ray Train's controller, the
+    lighthouse and Ray Data's coordinator are pinned to it) and a node of 1 CPU for each worker
+    and two more (Ray Data's readers, a replacement's place). `remove_as_asked` removes the
+    node a node fault names (its MARKER.node), every process on it with it, and adds a fresh
+    node at once; a worker the placement put on the head is SIGKILLed instead (the head is
+    not removed), and counted apart (`kills_on_head`)."""
+
+    def __init__(self, workers: int) -> None:
+        from ray.cluster_utils import Cluster
+
+        from isoloco_ray.train import LOCAL_TRAIN_ENV
+
+        # Read by the cluster's processes, which the Cluster starts from this one.
+        os.environ.update(LOCAL_TRAIN_ENV)
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "object_store_memory": NODE_STORE})
+        self.nodes = [self._add() for _ in range(workers + 2)]
+        self.cluster.wait_for_nodes()
+        self.address = self.cluster.address
+        self.removed = self.kills_on_head = 0
+
+    def _add(self) -> Any:
+        return self.cluster.add_node(num_cpus=1, object_store_memory=NODE_STORE)
+
+    def remove_as_asked(self, out: Path, name: str, running: Callable[[], bool]) -> None:
+        """Until `running()` is false: the node each of `name`'s node faults names is removed
+        and a fresh one added."""
+        while running():
+            for asked in sorted(out.glob(f"{name}-fault-*.node")):
+                node_id, pid = asked.read_text().split()
+                asked.unlink()
+                lost = next((node for node in self.nodes if node.node_id == node_id), None)
+                if lost is None:  # the head
+                    os.kill(int(pid), signal.SIGKILL)
+                    self.kills_on_head += 1
+                    continue
+                self.cluster.remove_node(lost)
+                self.nodes.remove(lost)
+                self.removed += 1
+                self.nodes.append(self._add())
+            time.sleep(0.2)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
 def train(name: str, flags: list[str], out: Path, faults: list[Fault],
-          round_floor: float) -> dict[str, Any]:
+          round_floor: float, nodes_for: int = 0) -> dict[str, Any]:
     """One training process with `faults` armed and each worker's rounds padded to
-    `round_floor` seconds (each of its H steps to 1/H of it); its exit status, wall time and
-    fault times."""
+    `round_floor` seconds (each of its H steps to 1/H of it), on a local cluster of its own
+    (`nodes_for` W workers: joining a `SimulatedNodes` cluster); its exit status, wall time
+    and fault times."""
     markers = [out / f"{name}-fault-{i}" for i in range(len(faults))]
     env = dict(os.environ, ISOLOCO_RAY_KILL_AT=",".join(
         [f"floor={round_floor / INNER_STEPS:g}"] * (round_floor > 0)
         + [fault.spec(marker) for fault, marker in zip(faults, markers)]))
     command = [sys.executable, "-m", "isoloco_ray.train", *flags, f"--run.name={name}",
                f"--run.storage_path={out}"]
+    cluster = None
+    if nodes_for:
+        cluster = SimulatedNodes(nodes_for)
+        env["RAY_ADDRESS"] = cluster.address
+        command = [f for f in command if not f.startswith("--run.num_cpus")]  # the cluster's
     print("$", " ".join(command), flush=True)
     started = time.time()
-    with (out / f"{name}.log").open("w") as log, subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env) as process:
-        bound = threading.Timer(RUN_TIMEOUT_S, process.kill)
-        bound.start()
-        status = process.wait()
-        bound.cancel()
-    return {"status": status, "wall_seconds": time.time() - started,
+    try:
+        with (out / f"{name}.log").open("w") as log, subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env) as process:
+            bound = threading.Timer(RUN_TIMEOUT_S, process.kill)
+            bound.start()
+            if cluster is not None:  # here: Ray starts a node from the main thread only
+                cluster.remove_as_asked(out, name, lambda: process.poll() is None)
+            status = process.wait()
+            bound.cancel()
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+    nodes = {} if cluster is None else {"nodes_removed": cluster.removed,
+                                        "kills_on_head": cluster.kills_on_head}
+    return {"status": status, "wall_seconds": time.time() - started, **nodes,
             "fault_times": [m.stat().st_mtime if m.exists() else None for m in markers]}
 
 
@@ -253,7 +336,7 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
         "strategy": name, "rounds": rounds, "workers": workers, "run_completed": completed,
         "faults_planned": len(faults),
         "faults_injected": {kind: sum(f.kind == kind for f, _ in fired)
-                            for kind in ("kill", "stop", "slow")},
+                            for kind in ("kill", "stop", "slow", "node")},
         "faults_survived": len(fired) if completed else 0,
         "faults": [{**asdict(f), "at": at} for f, at in fired],
         "rounds_reported_once": [r["round"] for r in records] == list(range(rounds + 1)),
@@ -261,7 +344,8 @@ def figures(name: str, flags: list[str], data: Path, run_dir: Path, result: dict
         "worker_losses": summary.get("worker_losses"),
         "stall_seconds": stalls,
         "final_eval_loss": summary.get("final_eval_loss"),
-        "wall_seconds": round(result["wall_seconds"], 1)}
+        "wall_seconds": round(result["wall_seconds"], 1),
+        **{key: result[key] for key in ("nodes_removed", "kills_on_head") if key in result}}
     if len(contributors) == rounds and len(commits) > 1:
         row.update(goodput(row, [by_round[j] for j in range(rounds + 1)],
                            cfg.data.batch_size * cfg.data.seq_len, cfg.inner.steps, fired))
@@ -316,7 +400,7 @@ def goodput(row: dict[str, Any], records: list[dict[str, Any]], tokens_per_step:
     round: fewer than H) x the tokens of a step."""
     workers = row["workers"]
     active = [(at, at + (fault.slow_seconds or fault.pause or 0.0) + 1.0)
-              for fault, at in fired if fault.kind != "kill"]
+              for fault, at in fired if fault.kind in ("stop", "slow")]
 
     def clean(j: int) -> bool:
         start, end = records[j - 1]["committed_at"], records[j]["committed_at"]
@@ -345,7 +429,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         injected = row["faults_injected"]
         stalls = [s for s in row["stall_seconds"] if not math.isnan(s)]
         print(f"{row['strategy']:<12} {str(row['run_completed']):>5} "
-              f"{injected['kill']:>3}+{injected['stop']}+{injected.get('slow', 0):<3} "
+              f"{injected['kill'] + injected.get('node', 0):>3}+{injected['stop']}"
+              f"+{injected.get('slow', 0):<3} "
               f"{str(row['rounds_reported_once']):>5} {row['survivor_restarts']:>8} "
               f"{row.get('loss_vs_failure_free', float('nan')):>+8.4f} "
               f"{str(row.get('weights_equal_reference')):>7} "
@@ -379,6 +464,11 @@ def main(argv: list[str]) -> None:
                              "rest, after the kills, are SIGSTOPs")
     parser.add_argument("--fault-gap", type=float, default=FAULT_GAP_S,
                         help="seconds at least between two faults")
+    parser.add_argument("--nodes", action="store_true",
+                        help="each run on a simulated multi-node cluster (ray.cluster_utils), "
+                             "where --node-share of the kills remove the worker's node instead")
+    parser.add_argument("--node-share", type=float, default=0.5,
+                        help="with --nodes: the share of the kills that are node removals")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--json", type=Path)
     args, extra = parser.parse_known_args(argv)
@@ -398,12 +488,14 @@ def main(argv: list[str]) -> None:
         faults, rounds = plan_faults(share, args.workers, round_seconds, rng,
                                      rank_0_first=index == 0 and args.slow_share < 1,
                                      slow_share=args.slow_share, gap_s=args.fault_gap,
-                                     kill_share=args.kill_share)
+                                     kill_share=args.kill_share,
+                                     node_share=args.node_share if args.nodes else 0.0)
         flags = train_flags(args.workers, rounds, data,
                             STRATEGIES[name] or [f"--outer.strategy={name}"]) + extra
         print(f"{name}: {rounds} rounds, faults (round, worker, what): "
               f"{[(f.round, f.worker, f.label) for f in faults]}", flush=True)
-        result = train(name, flags, args.out, faults, args.round_floor)
+        result = train(name, flags, args.out, faults, args.round_floor,
+                       args.workers if args.nodes else 0)
         rows.append(figures(name, flags, data, args.out / name, result, faults, args.workers))
         print(json.dumps(rows[-1]), flush=True)
         if args.json is not None:

@@ -101,6 +101,42 @@ def test_the_injected_pause_stops_the_whole_process_once_and_lets_it_go_on(tmp_p
         child.kill()
 
 
+def test_the_node_fault_names_its_node_whole_then_stops_like_a_pause(tmp_path, monkeypatch):
+    """benchmarks/soak.py --nodes: a "node=SECONDS" fault writes the id of the worker's Ray node
+    and its process id to MARKER.node (renamed into place whole: the soak removes that node as
+    soon as it reads it), then stops the process as a stop= fault does, its SIGCONT SECONDS
+    later in case the node is never removed; once."""
+    import os
+    import signal
+
+    import ray
+
+    from isoloco_ray.workers import ray_entry
+
+    node_id = "ab" * 28
+
+    class Context:
+        def get_node_id(self) -> str:
+            return node_id
+
+    signals, helpers = [], []
+    monkeypatch.setattr(ray, "get_runtime_context", Context)
+    monkeypatch.setattr(ray_entry.os, "kill", lambda pid, sig: signals.append((pid, sig)))
+    monkeypatch.setattr(ray_entry.subprocess, "Popen", lambda args, **_: helpers.append(args))
+    marker = tmp_path / "lost"
+    hooks = ray_entry.fault_once_hook(f"2:1:node=30:{marker}")
+    assert hooks is not None
+    hooks(2, 0)  # not armed
+    assert not marker.exists()
+    hooks(2, 1)
+    hooks(2, 1)  # disarmed by its marker
+    assert marker.exists()
+    assert (tmp_path / "lost.node").read_text() == f"{node_id} {os.getpid()}"
+    assert not (tmp_path / "lost.partial").exists()
+    assert signals == [(os.getpid(), signal.SIGSTOP)]
+    assert helpers == [["sh", "-c", f"sleep 30; kill -CONT {os.getpid()}"]]
+
+
 def test_the_step_floor_pads_each_step_and_a_slowed_worker_takes_f_times_as_long(tmp_path):
     """benchmarks/soak.py's "floor=S" item: each inner step (`after_step`) lasts no less than S
     from the previous one's end (a replica's first, whose start the hook does not see: S more);

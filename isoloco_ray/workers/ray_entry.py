@@ -44,12 +44,15 @@ class FaultHooks:
     (SIGSTOP, every thread: its heartbeats too, as a paused or swapped-out process) and has a
     process of its own send SIGCONT SECONDS later; "ROUND:REPLICA:slow=F/SECONDS:MARKER" makes
     it F times slower from there for SECONDS (each inner step followed by a sleep of F − 1
-    times its own length: a throttled or shared machine, alive and heartbeating). MARKER is
-    created first (its time is the fault's) and disarms the fault for the workers that start
-    later. Several, comma-separated. An item "floor=SECONDS" makes each inner step last at
-    least SECONDS (`after_step` sleeps the rest): benchmarks/soak.py's workers then wait on
-    their steps, as workers bound by an accelerator do, rather than share two CPU cores as
-    five (a slowed worker's steps are the floor's times F)."""
+    times its own length: a throttled or shared machine, alive and heartbeating);
+    "ROUND:REPLICA:node=SECONDS:MARKER" writes the id of the Ray node it runs on and its
+    process id to MARKER.node, then stops as stop= does (benchmarks/soak.py --nodes removes
+    that node, the worker's processes with it, as a machine lost mid-round). MARKER is created
+    first (its time is the fault's) and disarms the fault for the workers that start later.
+    Several, comma-separated. An item "floor=SECONDS" makes each inner step last at least
+    SECONDS (`after_step` sleeps the rest): benchmarks/soak.py's workers then wait on their
+    steps, as workers bound by an accelerator do, rather than share two CPU cores as five (a
+    slowed worker's steps are the floor's times F)."""
 
     def __init__(self, spec: str) -> None:
         self.faults: dict[tuple[int, int], tuple[str, str | None, str | None]] = {}
@@ -60,7 +63,7 @@ class FaultHooks:
                 continue
             round_text, replica_text, rest = item.split(":", 2)
             kind = value = None
-            if rest.startswith(("stop=", "slow=")):
+            if rest.startswith(("stop=", "slow=", "node=")):
                 setting, rest = rest.split(":", 1)
                 kind, value = setting.split("=", 1)
             self.faults[int(round_text), int(replica_text)] = (rest, kind, value)
@@ -85,6 +88,12 @@ class FaultHooks:
             self.slow_factor = float(factor)
             self.slow_until = time.monotonic() + float(seconds)
             return
+        if kind == "node":
+            import ray
+
+            written = Path(f"{marker}.partial")  # renamed whole: the soak reads it at once
+            written.write_text(f"{ray.get_runtime_context().get_node_id()} {os.getpid()}")
+            written.rename(f"{marker}.node")
         subprocess.Popen(["sh", "-c", f"sleep {value}; kill -CONT {os.getpid()}"],
                          start_new_session=True, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
