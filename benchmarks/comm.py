@@ -47,6 +47,7 @@ about 2 (less where the cost split leaves the bytes uneven).
     python benchmarks/comm.py --part 1 --strategies diloco tsv
     python benchmarks/comm.py --part 3 --strategies diloco isoloco tsv   # (~1 min)
     python benchmarks/comm.py --part 4   # SparseLoCo's wire on 178M's shapes (~1 min)
+    python benchmarks/comm.py --part 5 --blocks 2 --strategies diloco isoloco tsv ties isocts
 
 Part 4 sizes SparseLoCo's wire (workers/outer/chunk_topk_codec.py: chunk-wise top-k, 2- or
 4-bit values, 12-bit positions) on the real 178M tensors, with no training: the bytes one
@@ -54,6 +55,10 @@ replica sends per round against its float32 Δ_r (P), and what a worker receives
 W = 4 (L = 2 replicas each) when every worker gathers every payload, (W-1)·L·payload, against
 DiLoCo's float32 all-reduce of the sums, 2(W-1)/W·P, and an all-gather of every float32 Δ_r,
 (W-1)·L·P; and the seconds one replica's payload takes to encode and to decode here (CPU).
+
+Part 5 asks, for the same wire, whether every worker should merge every tensor (what runs) or
+each tensor's owner, sending its merged update back packed (part5's docstring): the busiest
+worker's bytes and seconds of each, on the first `--blocks` blocks of 178M.
 """
 
 from __future__ import annotations
@@ -388,16 +393,83 @@ def part4() -> None:
     print(flush=True)
 
 
+# -- part 5: SparseLoCo's payloads merged by every worker, or by each tensor's owner --------
+
+OWNER_WIRES = ((1 / 32, 2), (0.01, 2))
+
+
+def part5(strategies: list[str], blocks: int, seed: int) -> None:
+    """Every worker gathers every replica's packed payload and merges every tensor (what runs
+    today, outer.placement=replicated), against each tensor's owner (plan.py's sharded split)
+    gathering its tensors' payloads, merging them and sending its merged update back packed
+    by the same codec (the other choice of issue 49: not built; the update would need an
+    error-feedback residual of its own on the owner). Bytes by the codec's sizes; seconds
+    measured in this process on the real shapes, per worker: decoding what arrives, the
+    merge and outer momentum of its tensors, and for the owner the update's encode and the
+    other owners' updates' decode. Busiest worker of W = 4, R = 8."""
+    from isoloco_ray.workers.outer.chunk_topk_codec import ChunkTopKCodec
+
+    shapes = model_shapes("178M", blocks)
+    subset = ("every tensor" if blocks == LAYERS else
+              f"embedding, {blocks} of {LAYERS} blocks, final norm, lm_head")
+    workers, hosted = TARGET_RANKS, REPLICAS // TARGET_RANKS
+    cpu = torch.device("cpu")
+    print(f"## Part 5: SparseLoCo's payloads merged by every worker or by each tensor's "
+          f"owner, R = {REPLICAS} on W = {workers}\n\n178M shapes ({subset}), CPU, "
+          f"{torch.get_num_threads()} threads; busiest worker's bytes received and seconds "
+          "(decode, merge, and for owners the update's encode and the others' updates' "
+          "decode).\n", flush=True)
+    print("| strategy | wire | every worker: received | every worker: s | owners: received "
+          "(busiest) | owners: s (busiest) | owners / every worker: bytes | seconds |")
+    print("|---|---|--:|--:|--:|--:|--:|--:|")
+    plans = {}
+    for s in strategies:
+        resolved = OuterMerge.of(outer_config(s, "sharded"))
+        plans[s] = [set(names) for names in OuterPlan.build(
+            shapes, resolved.merge, REPLICAS, workers, "sharded",
+            resolved.orthogonalize_update).owned]
+    for density, bits in OWNER_WIRES:
+        codec = ChunkTopKCodec(density, bits)
+        size = {name: codec.elements(shape) for name, shape in shapes.items()}
+        wire = f"int{bits} top {density:.2%}"
+        outers = {s: outer_config(s, "replicated", f"int{bits} top{density}")
+                  for s in strategies}
+        seconds = {s: {"all": 0.0, **dict.fromkeys(range(workers), 0.0)} for s in strategies}
+        for name, shape in shapes.items():
+            deltas = make_deltas(name, tuple(shape), REPLICAS, seed, cpu)
+            packed = [codec.encode([d], cpu) for d in deltas]
+            decoded, decode_s = timed(lambda: [codec.decode(w, [shape])[0] for w in packed])
+            contributions = {name: [decoded]}  # one process holds every replica's
+            for s in strategies:
+                _, updates, merge_s = time_updates(outers[s], contributions, seed)
+                update_wire, encode_s = timed(lambda: codec.encode([updates[name]], cpu))
+                _, update_decode_s = timed(lambda: codec.decode(update_wire, [shape]))
+                seconds[s]["all"] += decode_s + merge_s
+                for rank, mine in enumerate(plans[s]):
+                    seconds[s][rank] += (decode_s + merge_s + encode_s + update_decode_s
+                                         if name in mine else update_decode_s)
+        for s in strategies:
+            everyone_bytes = (workers - 1) * hosted * sum(size.values())
+            most = max((workers - 1) * hosted * sum(size[n] for n in mine)
+                       + sum(size[n] for n in shapes if n not in mine) for mine in plans[s])
+            busiest = max(seconds[s][rank] for rank in range(workers))
+            print(f"| {s} | {wire} | {everyone_bytes / 2**20:,.2f} MiB "
+                  f"| {seconds[s]['all']:.2f} | {most / 2**20:,.2f} MiB | {busiest:.2f} "
+                  f"| {most / everyone_bytes:.2f} | {busiest / seconds[s]['all']:.2f} |",
+                  flush=True)
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", type=int, nargs="+", choices=(1, 2, 3, 4),
+    parser.add_argument("--part", type=int, nargs="+", choices=(1, 2, 3, 4, 5),
                         default=[1, 2, 3, 4])
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES,
                         default=list(STRATEGIES))
     parser.add_argument("--ranks", type=int, nargs="+", choices=(2, 4, 8),
                         help="part 1: outer group sizes W (default 2 4 8)")
     parser.add_argument("--blocks", type=int,
-                        help=f"part 2: the first N blocks of 178M (default {LAYERS})")
+                        help=f"parts 2 and 5: the first N blocks of 178M (default {LAYERS})")
     parser.add_argument("--threads", type=int, default=2, help="part 2: torch threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
@@ -419,8 +491,10 @@ def main() -> None:
             part2(args.strategies, blocks, args.seed)
         elif part == 3:
             part3(args.strategies)
-        else:
+        elif part == 4:
             part4()
+        else:
+            part5(args.strategies, blocks, args.seed)
         took = time.perf_counter() - started
         print(f"(part {part}: {took:.0f} s wall)\n", flush=True)
 
