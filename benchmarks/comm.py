@@ -47,7 +47,7 @@ about 2 (less where the cost split leaves the bytes uneven).
     python benchmarks/comm.py --part 1 --strategies diloco tsv
     python benchmarks/comm.py --part 3 --strategies diloco isoloco tsv   # (~1 min)
     python benchmarks/comm.py --part 4   # SparseLoCo's wire on 178M's shapes (~1 min)
-    python benchmarks/comm.py --part 5 --blocks 2 --strategies diloco isoloco tsv ties isocts
+    python benchmarks/comm.py --part 5 --blocks 1   # owners vs every worker on it (~7 min)
 
 Part 4 sizes SparseLoCo's wire (workers/outer/chunk_topk_codec.py: chunk-wise top-k, 2- or
 4-bit values, 12-bit positions) on the real 178M tensors, with no training: the bytes one

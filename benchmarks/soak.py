@@ -224,8 +224,10 @@ class SimulatedNodes:
 
         from isoloco_ray.train import LOCAL_TRAIN_ENV
 
-        # Read by the cluster's processes, which the Cluster starts from this one.
-        os.environ.update(LOCAL_TRAIN_ENV)
+        # Read by the cluster's processes, which the Cluster starts from this one (unless
+        # this environment says otherwise, as train.py's local clusters).
+        for key, value in LOCAL_TRAIN_ENV.items():
+            os.environ.setdefault(key, value)
         self.cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "object_store_memory": NODE_STORE})
         self.nodes = [self._add() for _ in range(workers + 2)]
