@@ -21,7 +21,7 @@ from typing import Any
 from isoloco_ray import run_files, strict_json
 from isoloco_ray.config import ConfigError, TrainConfig, config_differences
 from isoloco_ray.elastic import allowed_counts_only, ray_scaling_config
-from isoloco_ray.fault_tolerance import quorum_summary, timeouts, torchft_backend
+from isoloco_ray.fault_tolerance import quorum_summary, read_end, timeouts, torchft_backend
 from isoloco_ray.local_ray import joined_cluster
 from isoloco_ray.metrics import RunSummary, format_progress
 from isoloco_ray.own_files import append_line
@@ -189,7 +189,6 @@ def fit(cfg: TrainConfig, data_dir: Path, run_dir: Path, callbacks: Sequence[Any
                                       run_dir / run_files.METRICS, stop, on_metrics,
                                       cfg.outer.delay > 0))
     follower.start()
-    from isoloco_ray.workers.quorum.replica_mode import read_end
 
     def attempt() -> Any:
         with allowed_counts_only(cfg.scaling):
@@ -234,7 +233,6 @@ def restarting_on_controller_errors(attempt: Callable[[], Any], max_failures: in
     cost the rounds since it, not the run. Other failures are raised as they come."""
     from ray.train import ControllerError
 
-    from isoloco_ray.workers.quorum.replica_mode import read_end
 
     restarts = 0
     while True:

@@ -14,6 +14,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from isoloco_ray import run_files
 from isoloco_ray.config import ConfigError, TrainConfig
 from isoloco_ray.metrics import RoundMetrics, RunSummary
 
@@ -132,3 +133,10 @@ def absence_note(summary: dict[str, Any]) -> str | None:
         notes.append(f"every worker started again from a checkpoint "
                      f"{summary['group_restarts']} time(s) (several workers lost at once)")
     return f"note: {'; '.join(notes)}" if notes else None
+
+
+def read_end(run_dir: Any) -> dict[str, Any] | None:
+    """The run's result as its workers left it (`ft_end.json`, written by
+    workers/quorum/replica_mode.py's `write_end`: rank 0 may be the lost one), or None."""
+    path = run_dir / run_files.FT_END
+    return json.loads(path.read_text()) if path.exists() else None

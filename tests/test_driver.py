@@ -116,3 +116,22 @@ def test_a_replica_run_starts_again_from_its_checkpoint_when_ray_trains_controll
     with pytest.raises(ControllerError):
         driver.restarting_on_controller_errors(attempt, 3, tmp_path)
     assert len(calls) == 1
+
+
+def test_the_driver_and_a_grid_trial_load_no_model_stack():
+    """The train CLI and every grid trial (a fresh Tune process each) import what the driver
+    needs, the worker's entry function handed to Ray Train included, without transformers or
+    the training loop: those load in the workers only (about 2 s of CPU per process here)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\n"
+             "import isoloco_ray.train, isoloco_ray.tune, isoloco_ray.driver\n"
+             "import isoloco_ray.grids.trainable, isoloco_ray.workers.state.resume\n"
+             "from isoloco_ray.workers.ray_entry import train_loop_per_worker\n"
+             "print(sorted(m for m in ('transformers', 'isoloco_ray.workers.loop') "
+             "if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,12 +21,13 @@ import torch.distributed as dist
 from isoloco_ray import run_files, storage
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import Dataset
-from isoloco_ray.workers.loop import Trainer
 from isoloco_ray.workers.parallel.layout import placement_warning
 from isoloco_ray.workers.rounds.round_metrics import Metrics
 from isoloco_ray.workers.state import checkpoint, resume
-from isoloco_ray.workers.state.export import export_into_summary
 from isoloco_ray.workers.worker_env import WorkerEnv
+
+if TYPE_CHECKING:
+    from isoloco_ray.workers.loop import Trainer
 
 
 def fault_once_hook(spec: str | None) -> FaultHooks | None:
@@ -125,7 +126,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> Metrics | None:
     import ray.train
     import ray.train.torch
 
+    # Here, not at the top: the driver (every grid trial's process too) imports this module to
+    # hand Ray Train this function, and needs neither the model stack (transformers) nor loop.py.
     from isoloco_ray.data.ray_reader import read_with_ray_data
+    from isoloco_ray.workers.loop import Trainer
+    from isoloco_ray.workers.state.export import export_into_summary
 
     cfg = TrainConfig.model_validate(loop_config["config"])
     # Ray gives OMP_NUM_THREADS the worker's whole CPUs, but torch may have read it before, or

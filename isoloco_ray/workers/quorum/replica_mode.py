@@ -46,7 +46,7 @@ import torch
 from isoloco_ray import own_files, run_files, storage, strict_json
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import Dataset
-from isoloco_ray.fault_tolerance import min_quorum
+from isoloco_ray.fault_tolerance import min_quorum, read_end
 from isoloco_ray.workers.agreement import TrainingStopped
 from isoloco_ray.workers.loop import Trainer
 from isoloco_ray.workers.model import parameter_shapes
@@ -179,12 +179,6 @@ def drop_newer_checkpoints(run_dir: Any, resumed: str) -> None:
     for saved in stored_checkpoints(run_dir):
         if posixpath.basename(saved.path) > name:
             filesystem.delete_dir(saved.path)
-
-
-def read_end(run_dir: Any) -> dict[str, Any] | None:
-    """The run's result as its workers left it (`ft_end.json`), or None."""
-    path = run_dir / run_files.FT_END
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 class EndWatch:
