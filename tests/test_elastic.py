@@ -88,13 +88,17 @@ def test_placement_warning_names_replicas_split_across_nodes():
     assert warning is not None and "replica slot(s) [1] are on different nodes" in warning
 
 
-@pytest.mark.parametrize("strategy", ["diloco", "tsv"])
-def test_resume_on_another_worker_count_keeps_the_math(small_dataset, tmp_path, strategy):
+@pytest.mark.parametrize("flags", [
+    ["--outer.strategy=diloco"], ["--outer.strategy=tsv"],
+    # Owners on SparseLoCo's wire: the one worker's update residuals, split between the two.
+    ["--outer.strategy=tsv", "--outer.comm_dtype=int2", "--outer.topk=0.25",
+     "--outer.error_feedback=true"]], ids=["diloco", "tsv", "tsv-int2-owners"])
+def test_resume_on_another_worker_count_keeps_the_math(small_dataset, tmp_path, flags):
     """A run checkpointed on 1 worker (R = 2 replicas on it) and resumed on 2 (one each), as
     after a node joins (or the reverse, after one is lost): the same model as the run that
     never stopped, within float tolerance (the merge is summed in another order)."""
     cfg = load_config(RUN + ["--scaling.replicas=2", "--scaling.replicas_per_worker=1",
-                             "--scaling.min_workers=1", f"--outer.strategy={strategy}"])
+                             "--scaling.min_workers=1", *flags])
     whole, whole_params = run_local(cfg, small_dataset, workers=1)
     with pytest.raises(StopAfterRound):
         run_local(cfg, small_dataset, workers=1, checkpoints=tmp_path, stop_after=3)

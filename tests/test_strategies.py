@@ -295,6 +295,8 @@ def test_an_unknown_merge_or_wire_format_is_refused_by_name():
      "all-gather of every Δ_r"),  # float32 values: every rank means them itself
     (["--outer.strategy=isoc", "--outer.topk=0.1"], "every Δ_r to owners, updates back"),
     (["--outer.strategy=tsv", "--outer.placement=rank0"], "every Δ_r to owners, updates back"),
+    (["--outer.strategy=tsv", "--outer.comm_dtype=int2", "--outer.topk=0.03"],
+     "every Δ_r to owners, updates back"),  # packed both ways (exchange.OwnersMerge)
     (["--outer.strategy=ties", "--outer.disjoint=false"], "all-reduce of sums"),
 ])
 def test_the_route_is_chosen_once_from_strategy_placement_and_wire(flags, route):

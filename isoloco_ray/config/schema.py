@@ -14,6 +14,7 @@ from isoloco_ray.config.resolved import ModelShape, settled
 from isoloco_ray.strategies import (
     STRATEGIES,
     WIRE_FORMATS,
+    OuterMerge,
     Placement,
     strategy_options,
 )
@@ -327,9 +328,11 @@ class OuterConfig(Section):
         "float32", description="how pseudo-gradients and updates travel to and from their "
         "owners: bfloat16 halves the bytes; int8 and float8 (e4m3) quarter them, one byte per "
         "entry plus a float32 scale per row (merges still run in float32 or float64 on the "
-        "decoded values; all-reduced sums stay float32); int2 and int4, with topk and "
-        "placement replicated: SparseLoCo's wire, the largest topk of each 64x64 chunk's "
-        "entries in 12-bit positions and 2- or 4-bit codes, gathered by every worker")
+        "decoded values; all-reduced sums stay float32); int2 and int4, with topk: SparseLoCo's "
+        "wire, the largest topk of each 64x64 chunk's entries in 12-bit positions and 2- or "
+        "4-bit codes, gathered by every worker (placement replicated) or, for the merges of "
+        "every Δ_r, sent to each tensor's owner, whose update comes back packed alike with "
+        "the owner's own error feedback (placement sharded or rank0)")
     topk: float | None = Field(
         None, gt=0, lt=1, description="send only this fraction of each row of a "
         "pseudo-gradient, its largest entries (values in comm_dtype and int32 indices; with "
@@ -419,9 +422,15 @@ class OuterConfig(Section):
             raise ValueError(f"outer.comm_dtype={self.comm_dtype} sends the largest entries of "
                              "each 64x64 chunk: set outer.topk, the share kept (SparseLoCo: "
                              "0.01-0.03)")
-        if self.placement != "replicated":
-            raise ValueError(f"outer.comm_dtype={self.comm_dtype} is gathered and merged by "
-                             "every worker (SparseLoCo): set outer.placement=replicated")
+        if self.placement != "replicated" and OuterMerge.of(self).of_mean:
+            # Owners pay off where the merge is costly (docs/outer_sync.md, "Every worker
+            # merging, or each tensor's owner"): not for a merge of the mean.
+            raise ValueError(f"outer.comm_dtype={self.comm_dtype} with outer.placement="
+                             f"{self.placement} has each tensor's owner merge and send its "
+                             "update back packed, for the merges of every Δ_r (tsv, isocts, "
+                             f"ties, dare); {self.strategy} merges the mean, which every "
+                             "worker merges for less (SparseLoCo): set "
+                             "outer.placement=replicated")
         return self
 
     @model_validator(mode="after")

@@ -96,6 +96,15 @@ def test_token_budget_sets_rounds():
      "outer.comm_dtype=int2 has no effect with adamw_ddp (it has no outer sync"),
     (["--outer.strategy=adamw_ddp", "--outer.placement=rank0"],
      "outer.placement=rank0 has no effect with adamw_ddp"),
+    # SparseLoCo's wire with owners: for the merges of every Δ_r only (docs/outer_sync.md).
+    (["--outer.comm_dtype=int2", "--outer.topk=0.03"],
+     "outer.comm_dtype=int2 with outer.placement=sharded has each tensor's owner merge and "
+     "send its update back packed, for the merges of every Δ_r (tsv, isocts, ties, dare); "
+     "diloco merges the mean, which every worker merges for less (SparseLoCo): set "
+     "outer.placement=replicated"),
+    (["--outer.strategy=ties", "--outer.disjoint=false", "--outer.comm_dtype=int4",
+      "--outer.topk=0.03", "--outer.placement=rank0"],
+     "outer.comm_dtype=int4 with outer.placement=rank0 has each tensor's owner merge"),
     (["--outer.lr=0"], "outer.lr = 0 never moves the global model; set outer.lr > 0, or leave "
                        "it unset for the strategy's value"),
     (["--outer.comm_dtype=bfloat16", "--outer.placement=replicated"],

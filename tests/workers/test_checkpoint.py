@@ -15,7 +15,7 @@ from helpers import TINY_RUN, truncate
 from isoloco_ray.config import load_config
 from isoloco_ray.data.format import DatasetMeta, read_blocks, shard_name, write_blocks
 from isoloco_ray.workers.local import StopAfterRound, run_local
-from isoloco_ray.workers.outer.step import OuterSync
+from isoloco_ray.workers.outer.step import UPDATE_RESIDUAL, OuterSync
 from isoloco_ray.workers.replica import Replica
 from isoloco_ray.workers.state import checkpoint, resume
 from isoloco_ray.workers.state.checkpoint_manager import Roles
@@ -26,6 +26,10 @@ RUN = TINY_RUN + ["--scaling.replicas=2", "--scaling.replicas_per_worker=2", "--
 
 
 COMPRESSED = ["--outer.comm_dtype=int8", "--outer.error_feedback=true"]
+# SparseLoCo's wire with owners (tsv): payloads and updates packed, the owners' update
+# residuals part of the checkpoint with the replicas' own.
+PACKED_OWNERS = ["--outer.strategy=tsv", "--outer.comm_dtype=int2", "--outer.topk=0.25",
+                 "--outer.error_feedback=true"]
 
 
 @pytest.mark.parametrize("flags", [
@@ -36,12 +40,13 @@ COMPRESSED = ["--outer.comm_dtype=int8", "--outer.error_feedback=true"]
     ["--outer.strategy=dare", "--outer.comm_dtype=float8", "--outer.error_feedback=true"],
     ["--outer.strategy=diloco", "--outer.topk=0.1", "--outer.error_feedback=true"],
     # SparseLoCo: each replica's decayed accumulator under 2-bit chunk top-k codes.
-    ["--outer.strategy=sparseloco"],
+    ["--outer.strategy=sparseloco"], PACKED_OWNERS,
     # Muon inside (its momentum and AdamW's moments), for a replica and for adamw_ddp's one.
     ["--outer.strategy=diloco", "--inner.optimizer=muon"],
     ["--outer.strategy=adamw_ddp", "--inner.optimizer=muon"],
 ], ids=["diloco", "dare", "tsv", "adamw_ddp", "tsv-int8-feedback", "dare-float8-feedback",
-        "diloco-topk-feedback", "sparseloco", "diloco-muon", "adamw_ddp-muon"])
+        "diloco-topk-feedback", "sparseloco", "tsv-int2-owners", "diloco-muon",
+        "adamw_ddp-muon"])
 def test_interrupted_and_resumed_run_is_bit_identical(small_dataset, tmp_path, flags):
     cfg = load_config(RUN + flags)
     whole, whole_params = run_local(cfg, small_dataset)
@@ -70,7 +75,9 @@ SPREAD = ["--scaling.replicas_per_worker=1", "--scaling.workers_per_replica=2",
     (["--outer.strategy=diloco"], [0, 1]),
     # Owners merge (int8 payloads): every rank saves its own, in a file of its own.
     (["--outer.strategy=tsv", "--outer.placement=sharded", *COMPRESSED], [0, 1, 2, 3]),
-], ids=["diloco", "tsv-int8-feedback"])
+    # ... and with packed updates, each owner's update residuals in its file too.
+    (PACKED_OWNERS, [0, 1, 2, 3]),
+], ids=["diloco", "tsv-int8-feedback", "tsv-int2-owners"])
 def test_a_run_with_replicas_spread_over_two_workers_resumes_bit_identical(
         small_dataset, tmp_path, flags, outer_files):
     """Each position's outer group saves the momentum of its share of the tensors, and the
@@ -83,8 +90,12 @@ def test_a_run_with_replicas_spread_over_two_workers_resumes_bit_identical(
         "global.safetensors", *(checkpoint.outer_file(k) for k in outer_files),
         "replica_0000.pt", "replica_0001.pt", "state.json"]
     params, outer_state, _ = checkpoint.load_shared(directory)
+    momentum = {name for name in outer_state["buffers"] if not name.startswith(UPDATE_RESIDUAL)}
     if cfg.outer.momentum:
-        assert set(outer_state["buffers"]) == set(params)
+        assert momentum == set(params)
+    residuals = set(outer_state["buffers"]) - momentum
+    assert residuals == ({UPDATE_RESIDUAL + name for name in params}
+                         if cfg.outer.comm_dtype == "int2" else set())
     if cfg.outer.error_feedback:
         assert set(checkpoint.load_replica(directory, 1)["feedback"]) == set(params)
     resumed, resumed_params = run_local(cfg, small_dataset, restore_from=directory)

@@ -6,7 +6,7 @@ travels, and how the merged updates come back. Chosen once per run from its rout
   all-gather of every Δ_r in `outer.comm_dtype`) and merges every tensor itself: nothing comes
   back.
 - `OwnersMerge`: each tensor's payloads go to its owner rank (plan.py), which merges them and
-  broadcasts the update.
+  broadcasts the update (on a chunked wire packed too, the owner keeping what it loses).
 
 Behind it sit the payload (payload.py: sums or each Δ_r, pruned where hosted, error feedback),
 the codec (codec.py) and the collectives (transport.py). The quorum's outer step
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from isoloco_ray.config import OuterConfig
-from isoloco_ray.strategies import OuterMerge, Route
+from isoloco_ray.strategies import WIRE_FORMATS, OuterMerge, Route
 from isoloco_ray.workers.outer.codec import Codec, wire_bytes
 from isoloco_ray.workers.outer.payload import Payloads
 from isoloco_ray.workers.outer.plan import OuterPlan
@@ -84,6 +84,18 @@ class Exchange(ABC):
         """Bytes this rank received since the last call."""
         return self.transport.take_bytes()
 
+    @property
+    def keeps_residuals(self) -> bool:
+        """Whether it keeps state between rounds (`residuals`), which a checkpoint holds."""
+        return False
+
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """What it keeps between rounds, by tensor name (see OwnersMerge)."""
+        return {}
+
+    def load_residuals(self, residuals: Mapping[str, torch.Tensor]) -> None:
+        """Restore `residuals` (those of the tensors this rank merges now)."""
+
     def to_quorum_wire(self, payload: Payload, names: Sequence[str]) -> torch.Tensor:
         """`payload` as one flat float32 tensor for the quorum's all-gather, each copy (the
         sum, or each hosted Δ_r) in turn, its tensors in the order of `names`: the values on a
@@ -142,11 +154,41 @@ class EveryoneMerges(Exchange):
 
 
 class OwnersMerge(Exchange):
-    """Each tensor's payloads go to its owner, which sends its update back."""
+    """Each tensor's payloads go to its owner, which sends its update back.
+
+    On a chunked wire (int2, int4: a top-k share of each chunk) the update travels packed as
+    well, and its owner keeps what the wire lost of it, `update_residuals`, adding it to the
+    tensor's next update before that is packed (error feedback, kept whole): the rest of
+    every update arrives in later rounds instead of being lost."""
+
+    update_residuals: dict[str, torch.Tensor]  # owned tensor -> what its updates lost so far
+
+    def __init__(self, outer: OuterConfig, merge: OuterMerge, route: Route, seed: int,
+                 group: Group = None) -> None:
+        super().__init__(outer, merge, route, seed, group)
+        self.packs_updates = WIRE_FORMATS[outer.comm_dtype].chunked
+        self.update_residuals = {}
 
     def send(self, payload: Payload, plan: OuterPlan) -> Contributions:
         return self.transport.to_owners(payload, plan)
 
+    @property
+    def keeps_residuals(self) -> bool:
+        return self.packs_updates
+
+    def residuals(self) -> dict[str, torch.Tensor]:
+        return dict(self.update_residuals)
+
+    def load_residuals(self, residuals: Mapping[str, torch.Tensor]) -> None:
+        self.update_residuals = {name: value.clone() for name, value in residuals.items()}
+
     def bring_back(self, updates: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor],
                    plan: OuterPlan) -> dict[str, torch.Tensor]:
-        return self.transport.from_owners(updates, params, plan)
+        if not self.packs_updates:
+            return self.transport.from_owners(updates, params, plan)
+        corrected = {name: u + self.update_residuals[name].to(u.device)
+                     if name in self.update_residuals else u for name, u in updates.items()}
+        arrived = self.transport.from_owners(corrected, params, plan)
+        for name, value in corrected.items():  # the owner decoded its own bytes as all did
+            self.update_residuals[name] = value - arrived[name]
+        return arrived

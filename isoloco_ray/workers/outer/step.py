@@ -45,6 +45,11 @@ from isoloco_ray.workers.parallel.collectives import (
 )
 
 
+# The key prefix of an owner's update residual among a checkpoint's outer "buffers" (saved in
+# the owner's outer momentum file, restored by the tensor's owner under the current plan).
+UPDATE_RESIDUAL = "update_residual/"
+
+
 @dataclass
 class OuterStepStats:
     """Where one outer step's time went, what this rank received, and which replicas were left
@@ -151,8 +156,13 @@ class OuterSync:
         return any(plan.owners.get(name) == self.rank for plan in self._plans.values())
 
     def state_dict(self) -> dict[str, Any]:
-        """The outer optimizer's state with the momentum buffers this rank holds."""
-        return self.optimizer.state_dict()
+        """The outer optimizer's state with the momentum buffers this rank holds and, among
+        its "buffers" as UPDATE_RESIDUAL + name, the residuals of the updates it owns (owners
+        on a chunked wire: exchange.OwnersMerge)."""
+        state = self.optimizer.state_dict()
+        state["buffers"].update({UPDATE_RESIDUAL + name: residual.detach().to("cpu", copy=True)
+                                 for name, residual in self.exchange.residuals().items()})
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any], shapes: Mapping[str, torch.Size],
                         fragments: Sequence[Sequence[str]] | None = None) -> None:
@@ -162,7 +172,10 @@ class OuterSync:
         buffers are missing."""
         for names in fragments or [list(shapes)]:
             self.plan({name: shapes[name] for name in names})
-        buffers = state["buffers"]
+        buffers = {name: buf for name, buf in state["buffers"].items()
+                   if not name.startswith(UPDATE_RESIDUAL)}
+        residuals = {name[len(UPDATE_RESIDUAL):]: buf for name, buf in state["buffers"].items()
+                     if name.startswith(UPDATE_RESIDUAL)}
         if self.optimizer.momentum > 0 and state["step"] > 0:
             missing = sorted(set(shapes) - set(buffers))
             if missing:
@@ -170,6 +183,11 @@ class OuterSync:
                                  f"tensors (e.g. {missing[0]!r}): a file is missing")
         self.optimizer.load_state_dict({**state, "buffers": {
             name: buf for name, buf in buffers.items() if self.holds_momentum(name)}})
+        if self.exchange.keeps_residuals and state["step"] > 0 and not residuals:
+            raise ValueError("the checkpoint lacks the owners' update residuals (outer "
+                             "comm_dtype int2/int4 with owners): a file is missing")
+        self.exchange.load_residuals({name: buf for name, buf in residuals.items()
+                                      if self.holds_momentum(name)})  # what it owns now
 
     def step(self, global_params: dict[str, torch.Tensor],
              hosted: Mapping[int, Mapping[str, torch.Tensor]], round_index: int,

@@ -7,8 +7,9 @@ cost model of collectives.py) and each with its dtype:
   (reducing in bfloat16 would round every partial sum), or an all-gather in `comm_dtype`.
 - `to_owners`: each tensor's payloads go to its owner rank (one all-to-all per bucket of the
   plan), in `comm_dtype`.
-- `from_owners`: each owner broadcasts its tensors' updates, in `comm_dtype`; the owner's own
-  values go through the same rounding, so every rank applies the same update.
+- `from_owners`: each owner broadcasts its tensors' updates, in `comm_dtype` (on a chunked
+  wire packed like the payloads); the owner's own values go through the same rounding, so
+  every rank applies the same update.
 
 `comm_dtype` is a codec (codec.py): a cast (float32, bfloat16) or row-wise 8-bit quantisation
 (int8, float8), which arrives dequantised to float32; with `outer.topk`, payloads travel as
@@ -52,10 +53,10 @@ class Transport:
         self.group = group
         self.ranks, self.rank = group_size(group), group_rank(group)
         self.codec = codec_for(comm_dtype, topk)  # payloads
-        # Updates: dense whatever topk says; no update travels with a chunked wire (every
-        # worker merges: outer.placement=replicated), float32 names that.
-        self.update_codec = codec_for("float32" if WIRE_FORMATS[comm_dtype].chunked
-                                      else comm_dtype)
+        # Updates: dense whatever a row-wise topk says; on a chunked wire (int2, int4) packed
+        # as the payloads are, the owner keeping what they lose (exchange.OwnersMerge).
+        self.update_codec = self.codec if WIRE_FORMATS[comm_dtype].chunked \
+            else codec_for(comm_dtype)
         self.traffic = TrafficCounter()
 
     def everything(self, payload: Payload, summed: bool) -> Contributions:

@@ -67,7 +67,7 @@ def test_cast_codecs_are_the_cast():
         codec_for("int3")
 
 
-def test_sparselocos_wire_needs_topk_and_every_worker_merging():
+def test_sparselocos_wire_needs_topk_and_every_worker_merging_a_mean():
     from isoloco_ray.config import load_config
     from isoloco_ray.workers.outer.chunk_topk_codec import ChunkTopKCodec
 
@@ -79,9 +79,12 @@ def test_sparselocos_wire_needs_topk_and_every_worker_merging():
     with pytest.raises(Exception, match="outer.comm_dtype=int2 sends the largest entries of "
                                         "each 64x64 chunk: set outer.topk"):
         load_config(["--outer.comm_dtype=int2", "--outer.placement=replicated"])
-    with pytest.raises(Exception, match="outer.comm_dtype=int4 is gathered and merged by every "
-                                        "worker .SparseLoCo.: set outer.placement=replicated"):
+    with pytest.raises(Exception, match="diloco merges the mean, which every worker merges "
+                                        "for less .SparseLoCo.: set outer.placement=replicated"):
         load_config(["--outer.comm_dtype=int4", "--outer.topk=0.03"])
+    # The merges of every Δ_r may have owners merge (exchange.OwnersMerge).
+    assert load_config(["--outer.strategy=isocts", "--outer.comm_dtype=int4",
+                        "--outer.topk=0.03"]).outer.placement == "sharded"
     # Over a quorum too (tests/workers/test_quorum.py).
     assert load_config(["--outer.comm_dtype=int2", "--outer.topk=0.03",
                         "--outer.placement=replicated", "--scaling.fault_tolerance=replica",

@@ -323,7 +323,10 @@ QUANTIZED_RUNS = [(v, p, kind, None, 1.0) for v in ("diloco", "isoloco", "tsv")
                   # SparseLoCo's wire: gathered by every worker, each chunk's largest entries.
                   ("diloco", "replicated", "int2", TOPK, DECAY),
                   ("sparseloco", "replicated", "int2", TOPK, DECAY),
-                  ("tsv", "replicated", "int4", TOPK, 1.0)]
+                  ("tsv", "replicated", "int4", TOPK, 1.0),
+                  # ... or sent to each tensor's owner, whose update comes back packed alike.
+                  ("tsv", "sharded", "int4", TOPK, 1.0), ("ties", "sharded", "int2", TOPK, DECAY),
+                  ("isocts", "rank0", "int2", TOPK, 1.0)]
 
 
 def run_with_feedback(rank: int, world: int,
@@ -356,11 +359,14 @@ def run_with_feedback(rank: int, world: int,
 
 
 def reference_with_feedback(variant: str, comm_dtype: str, topk: float | None = None,
-                            decay: float = 1.0) -> tuple[list, dict]:
+                            decay: float = 1.0, packed_updates: bool = False
+                            ) -> tuple[list, dict]:
     """The semantics in plain steps, one process: replica r sends x = Δ_r + β·e_r (β =
     `decay`), the merge sees decode(encode(x)) (float32 otherwise), and e_r becomes
     x − decode(encode(x)); a dropped replica keeps its e_r. With `topk`, decode(encode(x))
-    keeps each row's largest entries (written here with torch.topk, not the codec)."""
+    keeps each row's largest entries (written here with torch.topk, not the codec).
+    `packed_updates` (owners on a chunked wire): each tensor's update u (merge, then outer
+    momentum) is sent as decode(encode(u + e)) and e becomes u + e − that, e from zero."""
     codec = codec_for(comm_dtype, topk if WIRE_FORMATS[comm_dtype].chunked else None)
 
     def sent_of(x: torch.Tensor) -> torch.Tensor:
@@ -376,6 +382,7 @@ def reference_with_feedback(variant: str, comm_dtype: str, topk: float | None = 
     sync = OuterSync(variant_config(variant, "replicated").outer, REPLICAS, seed=0)
     params = initial_params()
     residual = {r: {n: torch.zeros(s) for n, s in SHAPES.items()} for r in range(REPLICAS)}
+    owner_residual: dict[str, torch.Tensor] = {}
     history = []
     for round_index in range(ROUNDS):
         sent = {}
@@ -387,7 +394,16 @@ def reference_with_feedback(variant: str, comm_dtype: str, topk: float | None = 
             x = {n: delta[n] + decay * residual[r][n] for n in SHAPES}
             sent[r] = {n: sent_of(x[n]) for n in SHAPES}
             residual[r] = {n: x[n] - sent[r][n] for n in SHAPES}
-        sync.step(params, sent, round_index)
+        if not packed_updates:
+            sync.step(params, sent, round_index)
+        else:
+            good = [r for r in range(REPLICAS) if (round_index, r) != DIVERGED]
+            arrived = {n: [[sent[r][n] for r in range(REPLICAS)]] for n in SHAPES}
+            updates = sync._momentum_updates(sync._merged(arrived, good, round_index))
+            corrected = {n: u + owner_residual.get(n, 0) for n, u in updates.items()}
+            back = {n: codec.roundtrip(c) for n, c in corrected.items()}
+            owner_residual = {n: corrected[n] - back[n] for n in SHAPES}
+            sync.optimizer.apply(params, back)
         history.append({n: p.clone() for n, p in params.items()})
     return history, residual
 
@@ -407,9 +423,15 @@ def test_compressed_transport_merges_the_decoded_corrected_deltas(quantized_four
         undecayed, _ = reference_with_feedback(variant, comm_dtype, topk)
         assert any((undecayed[-1][n] - want[-1][n]).abs().max() > 1e-5 for n in SHAPES)
     start = initial_params()
-    for placement in ("sharded", "replicated"):
+    chunked = WIRE_FORMATS[comm_dtype].chunked
+    for placement in PLACEMENTS:
         if (variant, placement, comm_dtype, topk, decay) not in quantized_four_ranks[0]:
-            continue  # int2 and int4 are gathered by every worker: replicated only
+            continue
+        expected = want
+        if chunked and placement != "replicated":  # owners pack their updates too
+            expected = reference_with_feedback(variant, comm_dtype, topk, decay,
+                                               packed_updates=True)[0]
+            assert any((expected[-1][n] - want[-1][n]).abs().max() > 1e-4 for n in SHAPES)
         ranks = [result[variant, placement, comm_dtype, topk, decay]
                  for result in quantized_four_ranks]
         for round_index in range(ROUNDS):
@@ -419,9 +441,9 @@ def test_compressed_transport_merges_the_decoded_corrected_deltas(quantized_four
             for name in SHAPES:
                 for other in ranks[1:]:  # every rank ends bit-identical
                     assert torch.equal(other["history"][round_index]["params"][name], got[name])
-                if placement == "replicated":  # updates never travel: the reference exactly
-                    torch.testing.assert_close(got[name], want[round_index][name], rtol=0,
-                                               atol=1e-6)
+                if placement == "replicated" or chunked:  # the reference exactly
+                    torch.testing.assert_close(got[name], expected[round_index][name],
+                                               rtol=0, atol=1e-6)
                 else:  # owners send their updates in comm_dtype too (never sparse)
                     bound = {"float32": 1e-6, "int8": 2e-2, "float8": 1e-1}[comm_dtype]
                     assert relative_error(got[name], want[round_index][name],
@@ -430,7 +452,7 @@ def test_compressed_transport_merges_the_decoded_corrected_deltas(quantized_four
             for r, residual in result["feedback"].items():
                 assert r // (REPLICAS // RANKS) == rank
                 for name in SHAPES:
-                    if placement == "replicated":
+                    if placement == "replicated" or chunked:
                         torch.testing.assert_close(residual[name], want_residual[r][name],
                                                    rtol=0, atol=1e-6)
                     assert residual[name].abs().sum() > 0
@@ -477,6 +499,20 @@ def test_sparselocos_wire_gathers_every_replicas_packed_payload(quantized_four_r
             got = result[variant, "replicated", comm_dtype, TOPK, decay]["history"][0]["bytes"]
             assert got == (RANKS - 1) * (REPLICAS // RANKS) * payload  # all-gather, as sent
         assert payload < sum(torch.Size(s).numel() for s in SHAPES.values())  # < 1 byte each
+
+
+def test_owners_on_sparselocos_wire_receive_their_tensors_payloads_and_send_updates_packed(
+        quantized_four_ranks):
+    """Each owner receives the other ranks' packed payloads of its tensors and every other
+    owner's packed update: under 1 byte an entry both ways."""
+    codec = codec_for("int4", TOPK)
+    packed = {name: codec.elements(torch.Size(s)) for name, s in SHAPES.items()}
+    for rank, result in enumerate(quantized_four_ranks):
+        run = result["tsv", "sharded", "int4", TOPK, 1.0]
+        owned = sum(packed[n] for n, owner in run["owners"].items() if owner == rank)
+        assert 0 < owned < sum(packed.values())  # the tensors are spread over the owners
+        assert run["history"][0]["bytes"] == (
+            (RANKS - 1) * (REPLICAS // RANKS) * owned + sum(packed.values()) - owned)
 
 
 # -- a replica spread over G workers: each outer group steps 1/G of the tensors ----------------
