@@ -196,10 +196,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.ray)
         if "s3_server" in used:
             item.add_marker(pytest.mark.s3)
-    # The Ray tests last, in their files' order: the session's cluster, once started, idles at
-    # about a seventh of a core (its dashboard, agents and idle workers), which every test run
-    # after its start would share the 2 cores with.
-    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+    # The Ray tests last, in their files' order, those on the session's cluster after those
+    # with clusters of their own: the session's cluster, once started, idles at about a
+    # seventh of a core (its dashboard, agents and idle workers), which every test run after
+    # its start would share the 2 cores with.
+    items.sort(key=lambda item: (item.get_closest_marker("ray") is not None,
+                                 "ray_cluster" in getattr(item, "fixturenames", ())))
 
 
 def _parent(pid: int) -> int:
