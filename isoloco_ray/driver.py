@@ -233,7 +233,6 @@ def restarting_on_controller_errors(attempt: Callable[[], Any], max_failures: in
     cost the rounds since it, not the run. Other failures are raised as they come."""
     from ray.train import ControllerError
 
-
     restarts = 0
     while True:
         try:
