@@ -21,6 +21,7 @@ import torch.distributed as dist
 from isoloco_ray import run_files, storage
 from isoloco_ray.config import TrainConfig
 from isoloco_ray.data.format import Dataset
+from isoloco_ray.own_files import replace_file
 from isoloco_ray.workers.parallel.layout import placement_warning
 from isoloco_ray.workers.rounds.round_metrics import Metrics
 from isoloco_ray.workers.state import checkpoint, resume
@@ -92,9 +93,9 @@ class FaultHooks:
         if kind == "node":
             import ray
 
-            written = Path(f"{marker}.partial")  # renamed whole: the soak reads it at once
-            written.write_text(f"{ray.get_runtime_context().get_node_id()} {os.getpid()}")
-            written.rename(f"{marker}.node")
+            # Whole or not at all (written beside it, then renamed): the soak reads it at once.
+            replace_file(Path(f"{marker}.node"),
+                         f"{ray.get_runtime_context().get_node_id()} {os.getpid()}")
         subprocess.Popen(["sh", "-c", f"sleep {value}; kill -CONT {os.getpid()}"],
                          start_new_session=True, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
