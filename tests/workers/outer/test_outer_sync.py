@@ -504,7 +504,7 @@ def test_sparselocos_wire_gathers_every_replicas_packed_payload(quantized_four_r
 def test_owners_on_sparselocos_wire_receive_their_tensors_payloads_and_send_updates_packed(
         quantized_four_ranks):
     """Each owner receives the other ranks' packed payloads of its tensors and every other
-    owner's packed update: under 1 byte an entry both ways."""
+    owner's packed update, each the chunk codec's bytes."""
     codec = codec_for("int4", TOPK)
     packed = {name: codec.elements(torch.Size(s)) for name, s in SHAPES.items()}
     for rank, result in enumerate(quantized_four_ranks):
